@@ -1,0 +1,124 @@
+"""Command line: blockdraft generate | chat | serve | bench | train-draft."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="DFlash drafter directory")
+    p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    spec = None
+    if args.draft:
+        spec = {"method": "dflash", "model": args.draft}
+        if args.num_speculative_tokens:
+            spec["num_speculative_tokens"] = args.num_speculative_tokens
+    return dict(
+        model=args.model,
+        speculative_config=spec,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        seed=args.seed,
+    )
+
+
+def _sampling(args: argparse.Namespace):
+    from blockdraft import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+    )
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from blockdraft import LLM
+
+    llm = LLM(**_engine_kwargs(args))
+    params = _sampling(args)
+    start = time.perf_counter()
+    if args.raw:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    else:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
+                           use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    total = 0
+    for out in outputs:
+        print(out.outputs[0].text)
+        total += len(out.outputs[0].token_ids)
+    print(
+        f"[{total} tokens in {elapsed:.2f} s, {total / elapsed:.1f} tok/s, "
+        f"device {llm.config.device}, {llm.config.dtype}]"
+    )
+    if llm.engine.proposer is not None:
+        print(f"[{llm.engine.spec_stats.summary()}]")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from blockdraft import LLM
+
+    llm = LLM(**_engine_kwargs(args))
+    params = _sampling(args)
+    history: list[dict] = []
+    print("blockdraft chat: an empty line or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        history.append({"role": "user", "content": line})
+        out = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": out})
+        print(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="blockdraft")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    gen.add_argument("prompt", nargs="+")
+    gen.add_argument("--raw", action="store_true", help="no chat template")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="interactive chat")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:
+        print(f"blockdraft: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""One engine configuration, validated once in __post_init__."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SpeculativeConfig:
+    model: str  # DFlash drafter directory
+    method: str = "dflash"
+    num_speculative_tokens: int | None = None  # default: drafter block_size - 1
+
+    def __post_init__(self) -> None:
+        if self.method != "dflash":
+            raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
+        n = self.num_speculative_tokens
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {n!r}")
+
+    @classmethod
+    def coerce(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict or SpeculativeConfig")
+        unknown = set(value) - {"model", "method", "num_speculative_tokens"}
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
+        if "model" not in value:
+            raise ValueError("speculative_config needs 'model' (the drafter directory)")
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory
+    kv_cache_memory_gib: float = 2.0  # CPU pool size when num_kv_blocks is None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
+    speculative_config: SpeculativeConfig | dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {self.device!r}") from None
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype must be one of auto, {', '.join(dtypes)}; got {self.dtype!r}")
+        self.torch_dtype = dtypes[self.dtype]
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)

@@ -1,0 +1,99 @@
+"""Paged KV-cache blocks: allocation, reference counts and prefix caching.
+
+A full block whose tokens are all computed is registered under a hash of (previous block's
+hash, its token ids); a new request whose prompt starts with the same tokens shares the block
+instead of recomputing it. Freed blocks keep their hash and stay reusable until a fresh
+allocation takes them (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from blockdraft.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.block_key: dict[int, tuple] = {}  # block id -> (parent hash, token ids)
+        self.cached: dict[tuple, int] = {}  # (parent hash, token ids) -> block id
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def _block_keys(self, token_ids: list[int], num_blocks: int) -> list[tuple]:
+        keys, parent = [], None
+        for i in range(num_blocks):
+            key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def _take(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self.free_blocks[block_id]
+        self.ref_counts[block_id] += 1
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """Share the cached blocks that match the start of `seq`; returns tokens covered.
+        At least one token is always left to compute, so the step has logits to sample from."""
+        assert not seq.block_table
+        if not self.enable_prefix_caching:
+            return 0
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for key in self._block_keys(seq.token_ids, max_blocks):
+            block_id = self.cached.get(key)
+            if block_id is None:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_hashed_blocks = len(seq.block_table)
+        return len(seq.block_table) * self.block_size
+
+    def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` enough blocks for `num_tokens` positions; False (and nothing allocated)
+        when the pool cannot."""
+        needed = -(-num_tokens // self.block_size) - len(seq.block_table)
+        if needed <= 0:
+            return True
+        if needed > len(self.free_blocks):
+            return False
+        for _ in range(needed):
+            block_id, _ = self.free_blocks.popitem(last=False)
+            key = self.block_key.pop(block_id, None)
+            if key is not None and self.cached.get(key) == block_id:
+                del self.cached[key]  # evict: its contents are about to be overwritten
+            self.ref_counts[block_id] = 1
+            seq.block_table.append(block_id)
+        return True
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_hashed_blocks:
+            return
+        keys = self._block_keys(seq.token_ids, num_full)
+        for i in range(seq.num_hashed_blocks, num_full):
+            block_id = seq.block_table[i]
+            if keys[i] not in self.cached:
+                self.cached[keys[i]] = block_id
+                self.block_key[block_id] = keys[i]
+        seq.num_hashed_blocks = num_full
+
+    def free(self, seq: Sequence) -> None:
+        # Release the tail first so that, among a sequence's blocks, its prefix is evicted last.
+        for block_id in reversed(seq.block_table):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free_blocks[block_id] = None
+        seq.block_table = []

@@ -1,0 +1,270 @@
+"""The engine: owns the model, the KV pool, the scheduler and the speculator, and advances every
+request by one step per `step()` call."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import torch
+
+from blockdraft.config import EngineConfig
+from blockdraft.engine.block_manager import BlockManager
+from blockdraft.engine.model_runner import (
+    ModelRunner,
+    StepOutput,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    sampling_tensors,
+)
+from blockdraft.engine.output_processor import OutputProcessor
+from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
+from blockdraft.engine.sequence import Sequence
+from blockdraft.engine.spec_stats import SpecDecodeStats
+from blockdraft.kernels.forward_context import slots_for_positions
+from blockdraft.models.decoder import DecoderLM
+from blockdraft.models.dflash import load_drafter
+from blockdraft.models.loader import (
+    init_dummy_weights,
+    iter_checkpoint_tensors,
+    load_weights,
+    read_checkpoint,
+)
+from blockdraft.models.model_config import TransformerConfig
+from blockdraft.outputs import RequestOutput
+from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec_decode.dflash import DFlashProposer
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = torch.device(config.device)
+        model_path = config.model
+        if model_path is None:
+            from blockdraft.models.gguf_loader import default_model_path
+
+            model_path = default_model_path()
+        ckpt = read_checkpoint(model_path, config.load_format)
+        target_cfg = TransformerConfig.from_hf(ckpt.hf_config)
+        self.tokenizer = ckpt.tokenizer
+        self.generation_defaults = ckpt.generation_defaults
+        self.max_model_len = config.max_model_len or min(
+            target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
+        )
+        spec = config.speculative_config
+        lookahead_guess = 64 if spec is not None else 0  # RoPE margin before N is known
+        max_positions = max(
+            target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead_guess
+        )
+        target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
+
+        dtype = config.torch_dtype
+        with torch.device(self.device):
+            self.model = DecoderLM(target_cfg).to(dtype)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_weights(
+                dict(self.model.named_parameters()),
+                iter_checkpoint_tensors(ckpt),
+                str(model_path),
+                ignore=lambda name: "rotary_emb" in name
+                or (name == "lm_head.weight" and target_cfg.tie_word_embeddings),
+            )
+        eos_token_ids = ckpt.eos_token_ids
+        del ckpt
+        self.model.eval().requires_grad_(False)
+
+        self.proposer: DFlashProposer | None = None
+        self.num_spec = 0
+        attention_layers = list(self.model.attention_layers)
+        if spec is not None:
+            drafter = load_drafter(
+                spec.model, self.model, max_positions, dtype, self.device,
+                dummy=config.load_format == "dummy",
+            )
+            n = spec.num_speculative_tokens or drafter.cfg.block_size - 1
+            if n > drafter.cfg.block_size - 1:
+                raise ValueError(
+                    f"num_speculative_tokens {n} exceeds the drafter's block_size - 1 "
+                    f"({drafter.cfg.block_size - 1})"
+                )
+            if n + 1 > lookahead_guess:
+                raise ValueError(f"num_speculative_tokens {n} is larger than supported (63)")
+            self.num_spec = n
+            self.model.capture_layer_ids = drafter.cfg.target_layer_ids
+            attention_layers += drafter.attention_layers
+            self.proposer = DFlashProposer(drafter, n, config.block_size)
+        lookahead = self.num_spec + 1 if self.num_spec else 0
+
+        num_blocks = self._num_kv_blocks(attention_layers, dtype, lookahead)
+        allocate_kv_cache(attention_layers, num_blocks, config.block_size, dtype, self.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, lookahead
+        )
+        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
+        self.eos_token_ids = eos_token_ids
+        self.spec_stats = SpecDecodeStats(self.num_spec)
+        self.requests: dict[str, Sequence] = {}
+        self._seed_rng = random.Random(config.seed)
+        self.load_time_s = time.perf_counter() - t0
+
+    def _num_kv_blocks(self, layers: list, dtype: torch.dtype, lookahead: int) -> int:
+        cfg = self.config
+        per_seq = -(-(self.max_model_len + lookahead) // cfg.block_size)
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        else:
+            per_block = kv_bytes_per_block(layers, cfg.block_size, dtype)
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = free - (1 - cfg.gpu_memory_utilization) * torch.cuda.get_device_properties(
+                    self.device
+                ).total_memory
+            else:
+                budget = cfg.kv_cache_memory_gib * 2**30
+            num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
+        if num_blocks < per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
+                f"one request of max_model_len {self.max_model_len} needs ({per_seq}); "
+                "lower max_model_len or give the cache more memory"
+            )
+        return num_blocks
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+    ) -> None:
+        """Validates and queues a request; a ValueError leaves the engine untouched."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling params must be a SamplingParams")
+        text = None
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids")
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            prompt_ids = list(prompt)
+            vocab = self.model.cfg.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+                raise ValueError("prompt token ids must be integers")
+            if any(not 0 <= t < vocab for t in prompt_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}: it must leave room for at least one new token"
+            )
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = min(params.max_tokens or room, room)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(62)
+        seq = Sequence(request_id, text, prompt_ids, params, seed, max_tokens)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- one step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the state of every request that got new tokens or
+        finished (finished ones are forgotten afterwards)."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        result = self.runner.execute(chunks)
+        if self.proposer is not None:
+            self._write_context(chunks, result)
+        touched: list[Sequence] = []
+        for chunk, tokens, accepted in zip(
+            chunks, result.new_tokens, result.num_accepted, strict=True
+        ):
+            seq = chunk.seq
+            if accepted is not None:
+                self.spec_stats.record(accepted)
+                seq.num_computed_tokens = chunk.start + 1 + accepted
+                seq.draft_token_ids, seq.draft_probs = [], None
+            else:
+                seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
+            if not tokens:
+                continue
+            appended = self.output_processor.append(seq, tokens)
+            if accepted is not None:
+                seq.spec_accept_lengths.append(appended)
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self.block_manager.register_computed_blocks(seq)
+            if seq.finish_reason is not None:
+                self.scheduler.finish(seq)
+            touched.append(seq)
+        if self.proposer is not None:
+            self._propose([s for s in touched if not s.is_finished])
+        outputs = []
+        for seq in touched:
+            if not seq.is_finished:
+                self.output_processor.update_text(seq)
+            else:
+                self.requests.pop(seq.request_id, None)
+            outputs.append(OutputProcessor.make_output(seq))
+        return outputs
+
+    def _write_context(self, chunks: list[ScheduledChunk], result: StepOutput) -> None:
+        """Context K/V for every row this step commits: whole prefill chunks, and the anchor
+        plus accepted drafts of each verify."""
+        rows, positions, slots = [], [], []
+        row = 0
+        bs = self.config.block_size
+        for chunk, accepted in zip(chunks, result.num_accepted, strict=True):
+            count = len(chunk.token_ids) if accepted is None else accepted + 1
+            span = range(chunk.start, chunk.start + count)
+            rows += range(row, row + count)
+            positions += span
+            slots += slots_for_positions(chunk.seq.block_table, span, bs)
+            row += len(chunk.token_ids)
+        self.proposer.write_context(result.features, rows, positions, slots)
+
+    def _propose(self, seqs: list[Sequence]) -> None:
+        if not seqs:
+            return
+        anchor_positions = [s.num_tokens - 1 for s in seqs]
+        st = sampling_tensors(seqs, [p + 1 for p in anchor_positions], self.device)
+        drafts, probs = self.proposer.propose(
+            [s.token_ids[-1] for s in seqs], anchor_positions, [s.block_table for s in seqs], st
+        )
+        for i, (seq, tokens) in enumerate(zip(seqs, drafts, strict=True)):
+            seq.draft_token_ids = tokens
+            seq.draft_probs = probs[i] if probs is not None and seq.params.temperature > 0 else None

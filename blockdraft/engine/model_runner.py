@@ -1,0 +1,130 @@
+"""Model runner: turns a scheduled step into flat tensors, runs the target, samples or verifies,
+and drives the speculator. It orchestrates; the feature logic lives in the modules it calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.engine.scheduler import ScheduledChunk
+from blockdraft.engine.sequence import Sequence
+from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.sampler import SamplingTensors, sample
+from blockdraft.models.decoder import DecoderLM
+from blockdraft.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclass
+class StepOutput:
+    """Per scheduled chunk: the tokens to append (empty mid-prefill) and, for a verify, how many
+    drafts were accepted."""
+
+    new_tokens: list[list[int]]
+    num_accepted: list[int | None]
+    features: torch.Tensor | None  # [num_tokens, K * hidden] target features (speculating)
+
+
+def allocate_kv_cache(
+    layers: list[PagedAttention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    for attn in layers:
+        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.key_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
+
+
+def sampling_tensors(
+    seqs: list[Sequence], positions: list[int], device: torch.device
+) -> SamplingTensors:
+    return SamplingTensors.from_lists(
+        temperature=[s.params.temperature for s in seqs],
+        top_k=[s.params.top_k for s in seqs],
+        top_p=[s.params.top_p for s in seqs],
+        min_p=[s.params.min_p for s in seqs],
+        seed=[s.seed for s in seqs],
+        position=positions,
+        device=device,
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: DecoderLM,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.block_size, self.device = block_size, device
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        token_ids = [t for c in chunks for t in c.token_ids]
+        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
+        meta = build_attention_metadata(
+            [c.seq.block_table for c in chunks],
+            [c.start for c in chunks],
+            [len(c.token_ids) for c in chunks],
+            self.block_size,
+            self.device,
+        )
+        with forward_context(meta):
+            hidden, features = self.model(
+                torch.tensor(token_ids, dtype=torch.int64).to(self.device),
+                torch.tensor(positions, dtype=torch.int64).to(self.device),
+            )
+        ends = meta.query_start_loc[1:].tolist()
+        decode = [i for i, c in enumerate(chunks) if c.completes and not c.num_drafts]
+        verify = [i for i, c in enumerate(chunks) if c.num_drafts]
+        new_tokens: list[list[int]] = [[] for _ in chunks]
+        num_accepted: list[int | None] = [None] * len(chunks)
+        if decode:
+            rows = torch.tensor([ends[i] - 1 for i in decode], device=self.device)
+            seqs = [chunks[i].seq for i in decode]
+            st = sampling_tensors(seqs, [s.num_tokens for s in seqs], self.device)
+            sampled = sample(self.model.compute_logits(hidden[rows]), st).tolist()
+            for i, tok in zip(decode, sampled, strict=True):
+                new_tokens[i] = [tok]
+        if verify:
+            out, accepted = self._verify(
+                [chunks[i] for i in verify], [ends[i] for i in verify], hidden
+            )
+            for i, toks, n in zip(verify, out, accepted, strict=True):
+                new_tokens[i], num_accepted[i] = toks[: n + 1], n
+        return StepOutput(new_tokens, num_accepted, features)
+
+    def _verify(
+        self, chunks: list[ScheduledChunk], ends: list[int], hidden: torch.Tensor
+    ) -> tuple[list[list[int]], list[int]]:
+        n = chunks[0].num_drafts
+        rows = torch.tensor(
+            [e - n - 1 + j for e in ends for j in range(n + 1)], device=self.device
+        )
+        logits = self.model.compute_logits(hidden[rows]).view(len(chunks), n + 1, -1)
+        seqs = [c.seq for c in chunks]
+        drafts = torch.tensor([s.draft_token_ids for s in seqs], device=self.device)
+        draft_probs = None
+        if any(s.draft_probs is not None for s in seqs):
+            draft_probs = torch.stack(
+                [
+                    s.draft_probs
+                    if s.draft_probs is not None
+                    else torch.nn.functional.one_hot(d, logits.shape[-1]).float()
+                    for s, d in zip(seqs, drafts, strict=True)
+                ]
+            )
+        # The first draft sits one past the anchor, the last committed token.
+        st = sampling_tensors(seqs, [c.start + 1 for c in chunks], self.device)
+        out, accepted = rejection_sample(logits, drafts, draft_probs, st)
+        return out.tolist(), accepted.tolist()

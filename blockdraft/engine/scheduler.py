@@ -1,0 +1,125 @@
+"""Continuous batching under a per-step token budget.
+
+Running requests go first, oldest first: a caught-up request computes its last token (plus its
+drafts when speculating), one still in prefill computes the next chunk that fits the budget.
+When the pool runs out of blocks the newest running request is preempted: its blocks are freed
+and it will be recomputed from its tokens later. Waiting requests are admitted with what is
+left, reusing cached prefix blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from blockdraft.engine.block_manager import BlockManager
+from blockdraft.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    token_ids: list[int]  # tokens at positions start .. start+len-1 (verify rows included)
+    num_drafts: int  # trailing tokens that are drafts to verify
+
+    @property
+    def completes(self) -> bool:
+        """After this chunk the request has logits for its next token."""
+        return self.start + len(self.token_ids) == self.seq.num_tokens + self.num_drafts
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # Positions past the committed tokens that the drafter writes (anchor + N masks).
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _capacity_needed(self, seq: Sequence, num_new: int) -> int:
+        end = seq.num_computed_tokens + num_new
+        caught_up = end >= seq.num_tokens
+        return end + (self.num_lookahead_tokens if caught_up else 0)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            pending = seq.tokens_to_compute()
+            num_new = len(pending)
+            if seq.draft_token_ids:
+                if num_new > budget:  # a verify block is never split
+                    break
+            else:
+                num_new = min(num_new, budget)
+            while not self.block_manager.ensure_capacity(seq, self._capacity_needed(seq, num_new)):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                chunks.append(
+                    ScheduledChunk(
+                        seq,
+                        seq.num_computed_tokens,
+                        pending[:num_new],
+                        len(seq.draft_token_ids),
+                    )
+                )
+                budget -= num_new
+                i += 1
+        while (
+            self.waiting and budget > 0 and not preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            if not seq.block_table:
+                seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
+                seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.ensure_capacity(seq, self._capacity_needed(seq, num_new)):
+                self.block_manager.free(seq)
+                seq.reset_for_recompute()
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(
+                ScheduledChunk(seq, seq.num_computed_tokens, seq.tokens_to_compute()[:num_new], 0)
+            )
+            budget -= num_new
+        return chunks
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,73 @@
+"""A request as the engine tracks it: its tokens, how far the KV cache has computed them, its
+blocks, and the drafts waiting to be verified."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from blockdraft.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        max_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed  # resolved: the request's own or one drawn from the engine's seed
+        self.max_tokens = max_tokens  # resolved against max_model_len
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V (target and drafter) are in the cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.draft_token_ids: list[int] = []  # proposed, verified in the next step
+        self.draft_probs: torch.Tensor | None = None  # [N, vocab] when drafts were sampled
+        self.spec_accept_lengths: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def tokens_to_compute(self) -> list[int]:
+        """Tokens not yet in the KV cache, then the pending drafts (a verify row each)."""
+        return self.token_ids[self.num_computed_tokens :] + self.draft_token_ids
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0
+        self.draft_token_ids = []
+        self.draft_probs = None
+        self.status = SequenceStatus.WAITING

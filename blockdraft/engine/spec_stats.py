@@ -1,0 +1,36 @@
+"""Speculative-decoding counters (as vLLM reports them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    num_speculative_tokens: int
+    num_drafts: int = 0  # verify steps, summed over requests
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # acceptance length (accepted drafts + 1) -> count, before any truncation
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    def record(self, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += self.num_speculative_tokens
+        self.num_accepted_tokens += num_accepted
+        length = num_accepted + 1
+        self.histogram[length] = self.histogram.get(length, 0) + 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> str:
+        if not self.num_drafts:
+            return "speculative decoding: no verify steps"
+        hist = " ".join(f"{k}:{v}" for k, v in sorted(self.histogram.items()))
+        return (
+            f"speculative decoding: {self.num_drafts} drafts, {self.num_draft_tokens} draft "
+            f"tokens, {self.num_accepted_tokens} accepted, mean acceptance length "
+            f"{self.mean_acceptance_length:.2f} (histogram {hist})"
+        )

@@ -1,0 +1,93 @@
+"""Per-step attention metadata, set once per forward and read by every attention layer.
+
+It lives at the bottom of the import graph (next to the kernels) so that layers never import
+the engine: the runner builds an `AttentionMetadata`, enters `forward_context(meta)`, and runs
+the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PAD_SLOT_ID = -1
+
+
+@dataclass
+class AttentionMetadata:
+    """Flat batch of sequences; each contributes `query_lens[i]` query rows that sit at the end
+    of its `seq_lens[i]` keys (positions `seq_lens[i] - query_lens[i] .. seq_lens[i] - 1`)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, PAD_SLOT_ID rows write nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64, keys visible to each sequence after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Masks and gather indices derived from the fields above, built once per step on first use
+    # and shared by all layers with the same (causal, window).
+    cache: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+_current: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention layer called outside forward_context()")
+    return _current
+
+
+def slots_for_positions(block_table: list[int], positions: range, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    starts: list[int],
+    query_lens: list[int],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Sequence i computes positions starts[i] .. starts[i] + query_lens[i] - 1 and sees every
+    key before them."""
+    seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
+    slots: list[int] = []
+    for table, start, end in zip(block_tables, starts, seq_lens, strict=True):
+        slots += slots_for_positions(table, range(start, end), block_size)
+    width = max(len(t) for t in block_tables)
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    loc = [0]
+    for n in query_lens:
+        loc.append(loc[-1] + n)
+
+    def as_tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+    return AttentionMetadata(
+        slot_mapping=as_tensor(slots),
+        query_start_loc=as_tensor(loc),
+        seq_lens=as_tensor(seq_lens),
+        block_tables=as_tensor(padded),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )

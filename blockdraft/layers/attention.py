@@ -1,0 +1,40 @@
+"""Attention front-end: stores this step's keys/values in the paged cache, then attends through
+the metadata of the current forward context."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdraft.kernels.forward_context import get_attention_metadata
+from blockdraft.kernels.paged_attention import paged_attention, store_kv
+
+
+class PagedAttention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        causal: bool = True,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.causal, self.window = causal, window
+        # Bound by the runner once the KV pool is allocated.
+        self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
+        self.value_cache: torch.Tensor | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        meta = get_attention_metadata()
+        store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
+        return paged_attention(
+            query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window
+        )

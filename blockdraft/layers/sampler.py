@@ -1,0 +1,218 @@
+"""Batched token sampling: temperature, top-k, top-p, min-p, per-request seeds.
+
+Randomness comes from a counter-based hash of (seed, position, salt, column) rather
+than from torch.Generator objects, so a seeded request draws the same token no
+matter which other requests share its batch or in which row it sits, and the whole
+thing stays a handful of elementwise kernels with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one of these stays below 2**63, so
+# the int64 products never overflow and the hash is exact on every backend.
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x5CB15CC5
+# Distinct starting constants keep the row stream and the column stream apart.
+_ROW_INIT = 0x2545F491
+_COL_INIT = 0x6A09E667
+_TWO_POW_M24 = 1.0 / (1 << 24)
+
+
+@dataclass
+class SamplingTensors:
+    """Sampling parameters, one row per token to sample."""
+
+    temperature: torch.Tensor  # [R] float32; 0 => greedy
+    top_k: torch.Tensor  # [R] int64; 0 => off
+    top_p: torch.Tensor  # [R] float32; 1.0 => off
+    min_p: torch.Tensor  # [R] float32; 0.0 => off
+    seed: torch.Tensor  # [R] int64 per-request seed (0 <= seed < 2**63)
+    position: torch.Tensor  # [R] int64 sequence position of the token being sampled
+    # Host-side hints, known for free when built from Python lists. They only let us
+    # skip work (or return None from sample_drafts) without reading tensors back from
+    # the device; None means "unknown" and takes the always-correct general path.
+    all_greedy: bool | None = None
+    uses_top_k_top_p: bool | None = None
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        min_p: Sequence[float],
+        seed: Sequence[int],
+        position: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingTensors:
+        n = len(temperature)
+        if not all(len(x) == n for x in (top_k, top_p, min_p, seed, position)):
+            raise ValueError("all sampling parameter lists must have the same length")
+        if any(t < 0 for t in temperature):
+            raise ValueError("temperature must be >= 0")
+        if any(not 0.0 < p <= 1.0 for p in top_p):
+            raise ValueError("top_p must be in (0, 1]")
+        if any(not 0.0 <= p <= 1.0 for p in min_p):
+            raise ValueError("min_p must be in [0, 1]")
+        if any(not 0 <= s < 2**63 for s in seed):
+            raise ValueError("seed must be in [0, 2**63)")
+        sampled = [t > 0 for t in temperature]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            seed=torch.tensor(seed, dtype=torch.int64, device=device),
+            position=torch.tensor(position, dtype=torch.int64, device=device),
+            all_greedy=not any(sampled),
+            uses_top_k_top_p=any(
+                s and (k > 0 or p < 1.0) for s, k, p in zip(sampled, top_k, top_p, strict=True)
+            ),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    def repeat_interleave(self, n: int, position_offsets: bool = True) -> SamplingTensors:
+        """Each row becomes n consecutive rows; positions advance 0..n-1 when asked."""
+        position = self.position.repeat_interleave(n)
+        if position_offsets:
+            offsets = torch.arange(n, dtype=torch.int64, device=position.device)
+            position = (self.position[:, None] + offsets).reshape(-1)
+        return SamplingTensors(
+            temperature=self.temperature.repeat_interleave(n),
+            top_k=self.top_k.repeat_interleave(n),
+            top_p=self.top_p.repeat_interleave(n),
+            min_p=self.min_p.repeat_interleave(n),
+            seed=self.seed.repeat_interleave(n),
+            position=position,
+            all_greedy=self.all_greedy,
+            uses_top_k_top_p=self.uses_top_k_top_p,
+        )
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:  # x: [...] int64 holding values in [0, 2**32)
+    # xorshift-multiply finaliser (murmur3 / lowbias32 shape): a bijection on 32 bits with
+    # good avalanche. Masking after each multiply keeps every operand below 2**32.
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _absorb(h: torch.Tensor, word: torch.Tensor) -> torch.Tensor:  # both [...] int64
+    # Sponge-style chaining: every input word passes through a full mix before the next.
+    return _mix32(h ^ (word & _MASK32))
+
+
+def hashed_uniform(
+    seed: torch.Tensor,  # [R] int64
+    position: torch.Tensor,  # [R] int64
+    salt: int,
+    width: int | None = None,
+) -> torch.Tensor:  # [R] or [R, width] float32 in (0, 1)
+    """Counter-based uniform random numbers, a pure function of their coordinates.
+
+    Value (r, c) depends only on (seed[r], position[r], salt, c); width=None returns
+    column 0 as a 1-D tensor. Values are k/2**24 + 2**-25, never exactly 0 or 1.
+    """
+    seed = seed.to(torch.int64)
+    position = position.to(torch.int64)
+    h = torch.full_like(seed, _ROW_INIT)
+    h = _absorb(h, torch.full_like(seed, salt & _MASK32))
+    h = _absorb(h, torch.full_like(seed, (salt >> 32) & _MASK32))
+    h = _absorb(h, seed)
+    h = _absorb(h, seed >> 32)
+    h = _absorb(h, position)
+    h = _absorb(h, position >> 32)
+
+    cols = torch.arange(1 if width is None else width, dtype=torch.int64, device=seed.device)
+    col_key = _mix32(_mix32(cols ^ _COL_INIT))
+    # The [R, V] part is a single mix of two already well-mixed keys, because this is the
+    # only piece whose cost scales with the vocabulary.
+    x = _mix32(h[:, None] ^ col_key[None, :])
+    u = ((x >> 8).to(torch.float32) + 0.5) * _TWO_POW_M24
+    return u[:, 0] if width is None else u
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # logits: [R, V]; -> [R, V] f32
+    out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return out.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+
+
+def sampling_probs(
+    logits: torch.Tensor,  # [R, V] any float dtype
+    st: SamplingTensors,
+) -> torch.Tensor:  # [R, V] float32
+    """Per-row distribution after temperature, top-k, top-p and min-p, renormalised.
+
+    Greedy rows (temperature 0) come back one-hot at argmax (lowest index on ties).
+    top-p acts on the top-k-renormalised distribution; min-p compares against the
+    largest probability, which is unaffected by renormalisation, so its place in the
+    order only matters through which tokens earlier filters already removed.
+    """
+    if st.all_greedy:
+        return _one_hot_argmax(logits)
+    num_rows, vocab = logits.shape
+    greedy = st.temperature == 0
+    # Greedy rows still flow through the arithmetic (no data-dependent branching), so
+    # give them a harmless temperature and overwrite them at the end.
+    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
+
+    if st.uses_top_k_top_p is False:
+        keep = probs >= (st.min_p[:, None] * probs.amax(dim=-1, keepdim=True))
+    else:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(st.top_k <= 0, vocab, st.top_k.clamp(max=vocab))
+        keep_sorted = rank < k[:, None]
+        topk_p = torch.where(keep_sorted, sorted_p, 0.0)
+        topk_p = topk_p / topk_p.sum(dim=-1, keepdim=True)
+        # A token survives top-p if the mass strictly ahead of it is still short of
+        # top_p, which is exactly the smallest prefix reaching top_p. top_p == 1 is
+        # special-cased because float cumsums can creep past 1.0 in the tail.
+        mass_before = topk_p.cumsum(dim=-1) - topk_p
+        keep_p = (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0) | (rank == 0)
+        keep_min = sorted_p >= st.min_p[:, None] * sorted_p[:, :1]
+        keep_sorted = keep_sorted & keep_p & keep_min
+        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+
+    probs = torch.where(keep, probs, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.where(greedy[:, None], _one_hot_argmax(logits), probs)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [R, V] float32, non-negative; rows need not sum to 1
+    st: SamplingTensors,
+    salt: int,
+) -> torch.Tensor:  # [R] int64
+    """Exponential race: argmax(probs / E), E ~ Exp(1) i.i.d., picks token i w.p. probs[i].
+
+    Scale invariance means unnormalised weights (e.g. a speculative-decoding residual)
+    can be passed directly.
+    """
+    u = hashed_uniform(st.seed, st.position, salt, width=probs.shape[-1])
+    return (probs / -torch.log(u)).argmax(dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,  # [R, V] any float dtype
+    st: SamplingTensors,
+    salt: int = 0,
+) -> torch.Tensor:  # [R] int64
+    """One token per row: argmax for greedy rows, seeded sampling for the rest."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
+    sampled = sample_from_probs(sampling_probs(logits, st), st, salt)
+    return torch.where(st.temperature == 0, greedy_tokens, sampled)

@@ -1,0 +1,142 @@
+"""Llama / Qwen3 decoder-only transformer over flat token batches.
+
+Parameter names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`, ...) so that
+checkpoints load without renaming. The DFlash drafter reuses `DecoderLayer` with non-causal
+attention.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.models.model_config import TransformerConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        rotary: RotaryEmbedding,
+        causal: bool = True,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, d, causal, window)
+
+    def project_kv(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, Hkv, D], rotated keys
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return self.rotary.rotate(positions, k), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = self.rotary.rotate(positions, q)
+        k, v = self.project_kv(x, positions)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        rotary: RotaryEmbedding,
+        causal: bool = True,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(cfg, rotary, causal, window)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Target model. `forward` also returns the hidden states after the decoder layers listed in
+    `capture_layer_ids` (DFlash target features), concatenated, taken in the same pass."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.capture_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final hidden [num_tokens, hidden], features [num_tokens, K*hidden] or None)."""
+        x = self.model.embed_tokens(input_ids)
+        captured = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, positions)
+            if i in self.capture_layer_ids:
+                captured[i] = x
+        features = (
+            torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1) if captured else None
+        )
+        return self.model.norm(x), features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
+        return self.lm_head(hidden).float()

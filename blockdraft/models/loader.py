@@ -1,0 +1,136 @@
+"""Checkpoint loading: a Hugging Face directory (safetensors, single or sharded) or a GGUF file.
+
+Every failure a user can cause (missing or corrupt files, unknown architecture, tensors of the
+wrong shape) becomes a ValueError naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from blockdraft.tokenizer import Tokenizer
+
+
+@dataclass
+class Checkpoint:
+    """What a model path yields before any module is built."""
+
+    hf_config: dict
+    tokenizer: Tokenizer | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_defaults: dict = field(default_factory=dict)
+    state_dict: dict[str, torch.Tensor] | None = None  # preloaded (GGUF); else read lazily
+    weight_files: list[Path] = field(default_factory=list)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"missing file: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"shards listed in {index} are missing: {', '.join(missing)}")
+        return files
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise ValueError(f"no weights in {path}: expected model.safetensors or a sharded index")
+
+
+def _eos_ids(value: object) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def read_checkpoint(model: str, load_format: str = "auto") -> Checkpoint:
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from blockdraft.models.gguf_loader import load_gguf
+
+        g = load_gguf(str(path))
+        tokenizer = Tokenizer(g.tokenizer_json, g.tokenizer_config)
+        return Checkpoint(g.hf_config, tokenizer, list(g.eos_token_ids), {}, g.state_dict)
+    if not path.is_dir():
+        raise ValueError(f"model path {model!r} is neither a directory nor a .gguf file")
+    hf_config = read_json(path / "config.json")
+    gen_file = path / "generation_config.json"
+    gen = read_json(gen_file) if gen_file.is_file() else {}
+    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
+    eos = _eos_ids(gen.get("eos_token_id", hf_config.get("eos_token_id")))
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    defaults = {k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in gen}
+    files = [] if load_format == "dummy" else _weight_files(path)
+    return Checkpoint(hf_config, tokenizer, eos, defaults, None, files)
+
+
+def iter_checkpoint_tensors(ckpt: Checkpoint):
+    if ckpt.state_dict is not None:
+        yield from ckpt.state_dict.items()
+        return
+    for file in ckpt.weight_files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
+
+
+def load_weights(
+    params: dict[str, nn.Parameter],
+    tensors,  # iterable of (name, tensor)
+    source: str,
+    ignore=lambda name: False,
+) -> None:
+    """Copy checkpoint tensors into `params`; every parameter must be filled."""
+    missing = set(params)
+    for name, tensor in tensors:
+        if name not in params:
+            if ignore(name):
+                continue
+            raise ValueError(f"{source}: unexpected tensor {name!r}")
+        param = params[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"{source}: missing tensors {sorted(missing)[:8]}")
+
+
+def init_dummy_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Random weights made where the module lives (for benchmarks without a checkpoint)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
