@@ -21,6 +21,7 @@ words ``w4``, ``w5``, ... up to ``vocab_size - 1``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import time
@@ -121,8 +122,8 @@ def _seeded(seed: int | None) -> Iterator[None]:
         yield
 
 
-def _rewrite_config(out_dir: Path, style: RopeConfigStyle, extra: dict | None = None) -> None:
-    """Rewrite ``config.json``: rope keys in the chosen style, plus ``extra`` fields.
+def _rewrite_config(out_dir: Path, style: RopeConfigStyle) -> None:
+    """Rewrite ``config.json`` with its rope keys in the chosen style.
 
     transformers 5 saves ``rope_parameters`` (theta inside). Hub checkpoints made with
     transformers 4 carry top-level ``rope_theta`` and ``rope_scaling`` (null when unscaled):
@@ -136,7 +137,6 @@ def _rewrite_config(out_dir: Path, style: RopeConfigStyle, extra: dict | None = 
         cfg["rope_scaling"] = params if params.get("rope_type", "default") != "default" else None
     elif style not in ("legacy", "rope_parameters"):
         raise ValueError(f"unknown rope config style {style!r}")
-    cfg.update(extra or {})
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
@@ -481,6 +481,7 @@ def make_dflash_drafter(
     rope_config_style: RopeConfigStyle = "legacy",
     seed: int | None = None,
     agree_with_target: bool = False,
+    draft_error_rate: float = 0.0,
 ) -> Path:
     """A z-lab format DFlash drafter for the target checkpoint at ``target_dir``.
 
@@ -499,9 +500,11 @@ def make_dflash_drafter(
 
     ``agree_with_target=True`` hand-builds the weights for a ``make_predictable_target``
     target (raises ``ValueError`` for any other target). It then ignores ``num_heads``,
-    ``num_kv_heads``, ``head_dim`` and ``seed``; see ``_agreeing_weights`` for how it works.
+    ``num_kv_heads`` and ``head_dim``; see ``_agreeing_weights`` for how it works.
     Under z-lab's greedy ``dflash_generate`` every draft is accepted: each step commits
-    ``block_size`` tokens.
+    ``block_size`` tokens. ``draft_error_rate > 0`` makes each (offset, anchor token) pair
+    draft a wrong word with that probability (drawn from ``seed``): acceptance lengths then
+    vary from step to step, deterministically, with rejections inside the block.
     """
     from dflash.model import DFlashDraftModel, build_target_layer_ids
 
@@ -555,7 +558,12 @@ def make_dflash_drafter(
     with _seeded(seed):
         model = DFlashDraftModel(config).float().eval()
     if agree_with_target:
-        _agreeing_weights(model, _read_tensors(target_dir), target_cfg, mask_token_id)
+        rng = torch.Generator().manual_seed(0 if seed is None else seed)
+        _agreeing_weights(
+            model, _read_tensors(target_dir), target_cfg, mask_token_id, draft_error_rate, rng
+        )
+    elif draft_error_rate:
+        raise ValueError("draft_error_rate needs agree_with_target=True")
     out_dir.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     save_file(state, out_dir / "model.safetensors", {"format": "pt"})
@@ -565,11 +573,32 @@ def make_dflash_drafter(
     return out_dir
 
 
+def _separating_planes(inv_freq: torch.Tensor, block_size: int) -> tuple[list[int] | None, float]:
+    """Rotary planes whose averaged ``cos(n * theta)`` peaks sharpest at ``n = 0``.
+
+    Returns the planes (up to three of the six fastest, never the slowest) minimising
+    ``c_max = max over 1 <= n <= block_size - 2 of mean_i cos(n * theta_i)``, and ``c_max``;
+    ``None`` when no choice gets ``c_max`` below 0.95.
+    """
+    n = torch.arange(1, max(block_size - 1, 2), dtype=torch.float64)[:, None]
+    cos = torch.cos(n * inv_freq.double()[None, :])  # [offsets, planes]
+    candidates = range(min(6, inv_freq.numel() - 1))
+    best: tuple[list[int] | None, float] = (None, 0.95)
+    for size in (1, 2, 3):
+        for planes in itertools.combinations(candidates, size):
+            c_max = float(cos[:, list(planes)].mean(dim=1).max())
+            if c_max < best[1] - 1e-9:
+                best = (list(planes), c_max)
+    return best
+
+
 def _agreeing_weights(
     model: DFlashDraftModel,
     target: dict[str, torch.Tensor],
     target_cfg: dict[str, Any],
     mask_token_id: int,
+    error_rate: float = 0.0,
+    rng: torch.Generator | None = None,
 ) -> None:
     """Hand-set ``model``'s weights so its drafts match a predictable target's greedy output.
 
@@ -579,17 +608,17 @@ def _agreeing_weights(
     ``f^k(a)``, i.e. hold ``e_{f^{k-1}(a)}`` before the target's lm_head. One attention layer
     does it with one query head per offset (``block_size - 1`` heads, one shared KV head):
 
-    * keys: any non-mask token gets a unit key in rotary plane ``i`` (the plane whose
-      frequency ``theta`` best separates offsets: for block 16 the 1 rad/position plane,
-      ``max cos(n*theta) = cos 6 = 0.96`` over ``1 <= |n| <= 14``); ``<mask>`` gets a unit
-      key in the slowest plane (nearly position independent); the context is switched off
-      (``fc = 0``, so context keys and values are zero).
-    * queries: only ``<mask>`` has one; head ``h`` puts phase ``-h*theta`` in plane ``i`` and
-      a constant in the slow plane. RoPE turns the anchor score of the mask at offset ``k``
-      into ``M cos((k - h) theta)``: ``M`` when ``k == h``, at most ``M c_max`` otherwise,
-      while every mask key scores ``c0 M`` with ``c_max < c0 < 1`` (q/k-norm weights set the
-      scales, margins of ~18 nats). So head ``h`` attends to the anchor exactly at offset
-      ``h`` and to the masks (whose values are zero) everywhere else.
+    * keys: any non-mask token gets a unit key spread over one to three fast rotary planes
+      (``_separating_planes``: for block 16 and head_dim 64 the planes turning 1 and 0.75 rad
+      per position); ``<mask>`` gets a unit key in the slowest plane (nearly position
+      independent); the context is switched off (``fc = 0``: context keys and values are 0).
+    * queries: only ``<mask>`` has one; head ``h`` puts phase ``-h*theta_i`` in each chosen
+      plane and a constant in the slow plane. RoPE turns the anchor score of the mask at
+      offset ``k`` into ``M mean_i cos((k - h) theta_i)``: ``M`` when ``k == h``, at most
+      ``M c_max`` otherwise (``c_max = 0.64`` for block 16), while every mask key scores
+      ``c0 M`` with ``c0 = (1 + c_max) / 2`` (q/k-norm weights set the scales; both margins
+      are 18 nats). So head ``h`` attends to the anchor exactly at offset ``h`` and to the
+      masks, whose values are zero, everywhere else.
     * values: the anchor's normalised embedding ``sqrt(hidden) e_a``; head ``h``'s block of
       ``o_proj`` maps ``e_a -> e_{f^{h-1}(a)}`` (a power of the successor permutation),
       scaled so it dwarfs the ``<mask>`` embedding left in the residual.
@@ -597,7 +626,8 @@ def _agreeing_weights(
       final norm weight is one.
 
     Offset ``k`` therefore leaves the drafter as ~``e_{f^{k-1}(a)}`` and the target's
-    lm_head drafts ``f^k(a)``: the whole block is accepted whatever the context.
+    lm_head drafts ``f^k(a)``: the whole block is accepted whatever the context. With
+    ``error_rate`` some ``o_proj`` entries point to a different word instead.
     """
     vocab = int(target_cfg["vocab_size"])
     hidden = int(target_cfg["hidden_size"])
@@ -609,18 +639,15 @@ def _agreeing_weights(
     config = model.config
     num_heads, head_dim = config.num_attention_heads, config.head_dim
     half = head_dim // 2
-    inv_freq = model.rotary_emb.inv_freq.float()
-    offsets = torch.arange(1, model.block_size - 1, dtype=torch.float32)  # |k - h| range
-    worst = torch.cos(offsets[:, None] * inv_freq[None, :]).amax(dim=0)  # per plane
-    plane = int(worst[:-1].argmin())
     slow = half - 1
-    if plane == slow or float(worst[plane]) > 0.995:
+    planes, c_max = _separating_planes(model.rotary_emb.inv_freq.float(), model.block_size)
+    if planes is None:
         raise ValueError("block_size too large for the hand-built drafter's rotary planes")
-    c_max = float(worst[plane])
+    weight = 1.0 / len(planes)  # share of each plane in the anchor score
     c0 = (1.0 + c_max) / 2
     gap = 18.0
     score = 2 * gap / (1.0 - c_max)  # M: anchor score at the matching offset
-    theta = float(inv_freq[plane])
+    thetas = [float(model.rotary_emb.inv_freq[i]) for i in planes]
     scaling = head_dim**-0.5
     normed = math.sqrt(head_dim)  # RMSNorm of a single-entry vector puts sqrt(head_dim) there
     q_part = normed / math.sqrt(2.0)  # queries: equal halves in `plane` and in `slow`
@@ -645,15 +672,18 @@ def _agreeing_weights(
         attn = model.layers[idx].self_attn
         q = attn.q_proj.weight.view(num_heads, head_dim, hidden)
         for h in range(1, num_heads + 1):
-            q[h - 1, plane, mask_token_id] = math.cos(h * theta)
-            q[h - 1, plane + half, mask_token_id] = -math.sin(h * theta)
+            for i, theta in zip(planes, thetas, strict=True):
+                q[h - 1, i, mask_token_id] = math.sqrt(weight) * math.cos(h * theta)
+                q[h - 1, i + half, mask_token_id] = -math.sqrt(weight) * math.sin(h * theta)
             q[h - 1, slow, mask_token_id] = 1.0
         k = attn.k_proj.weight  # one KV head: [head_dim, hidden]
-        k[plane, words] = 1.0
+        for i in planes:
+            k[i, words] = math.sqrt(weight)
         k[slow, mask_token_id] = 1.0
         k_scale = score / (scaling * q_part * normed)
-        attn.k_norm.weight[plane] = k_scale
-        attn.k_norm.weight[plane + half] = k_scale
+        for i in planes:
+            attn.k_norm.weight[i] = k_scale
+            attn.k_norm.weight[i + half] = k_scale
         attn.k_norm.weight[slow] = c0 * k_scale
         v = attn.v_proj.weight
         v[words, words] = 1.0
@@ -663,6 +693,11 @@ def _agreeing_weights(
             dest = torch.arange(vocab)
             for _ in range(h - 1):
                 dest = successor[dest]
+            if error_rate > 0:
+                wrong = torch.rand(vocab, generator=rng) < error_rate
+                shift = torch.randint(1, vocab - FIRST_WORD_ID, (vocab,), generator=rng)
+                moved = FIRST_WORD_ID + (dest - FIRST_WORD_ID + shift) % (vocab - FIRST_WORD_ID)
+                dest = torch.where(wrong & (dest >= FIRST_WORD_ID), moved, dest)
             o[dest[words], h - 1, words] = gain
 
 

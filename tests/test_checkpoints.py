@@ -11,6 +11,9 @@ import dflash.model as zlab
 import jinja2
 import pytest
 import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
 from checkpoints import (
     EOS_ID,
     MASK_ID,
@@ -25,8 +28,6 @@ from checkpoints import (
     zlab_first_draft_logits,
     zlab_generate,
 )
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 PROMPTS = [[1, 17, 42, 99, 5, 63], [1, 80, 81, 23, 23, 100], [7, 120, 33, 9]]
 
@@ -244,3 +245,33 @@ def test_agree_requires_predictable_target(dirs: dict[str, Path], tmp_path: Path
     with pytest.raises(ValueError, match="make_predictable_target"):
         make_dflash_drafter(tmp_path / "x", dirs["qwen3"], agree_with_target=True)
     assert MASK_ID == 3
+
+
+def test_agreeing_drafter_with_errors_gives_varied_acceptance(
+    dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    drafter = make_dflash_drafter(
+        tmp_path / "noisy",
+        dirs["predictable"],
+        agree_with_target=True,
+        draft_error_rate=0.1,
+        seed=0,
+    )
+    prompt = [1, 10, 20, 30]
+    generated, accepted = zlab_generate(dirs["predictable"], drafter, prompt, 100)
+    assert generated == predictable_continuation(prompt, 100, 64)  # greedy stays lossless
+    assert accepted == [10, 4, 16, 10, 7, 16, 2, 8, 11, 4, 11]  # deterministic given the seed
+
+
+def test_zlab_last_layer_feature_is_after_final_norm(dirs: dict[str, Path]) -> None:
+    # z-lab takes hidden_states[layer_id + 1]; transformers' last entry is the final-normed
+    # output, so a drafter listing the target's last layer sees norm(h), not the raw residual.
+    model = load_hf_target(dirs["qwen3"])
+    raw: list[torch.Tensor] = []
+    hook = model.model.layers[-1].register_forward_hook(lambda m, i, o: raw.append(o))
+    with torch.no_grad():
+        states = model(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states
+    hook.remove()
+    last = raw[0][0] if isinstance(raw[0], tuple) else raw[0]
+    feature = zlab.extract_context_feature(states, [3])
+    torch.testing.assert_close(feature, model.model.norm(last))

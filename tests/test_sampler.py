@@ -500,10 +500,18 @@ def test_rejection_output_layout_and_reproducibility(ctx: Ctx) -> None:
     )
     out_p, na_p = rejection_sample(target[perm], drafts[perm], q[perm], st_p)
     assert torch.equal(out_p, out[perm]) and torch.equal(na_p, na[perm]), ctx.tag
-    # No drafts at all: a plain sample with the resample salt.
+    # The extra token is pinned to its own stream: (seed, first position + num_accepted,
+    # resample salt), drawn from max(p - q, 0) at a rejection and from p at the bonus row.
+    rows = torch.arange(r)
+    p_at = sampling_probs(target[rows, na], st)
+    q_at = torch.where((na < n)[:, None], q[rows, na.clamp(max=n - 1)], 0.0)
+    at = SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.position + na)
+    extra = sample_from_probs((p_at - q_at).clamp(min=0), at, SALT_RESAMPLE)
+    assert torch.equal(out.gather(1, na[:, None]).squeeze(1), extra), ctx.tag
+    # No drafts at all: a plain sample from p with the resample salt.
     out0, na0 = rejection_sample(target[:, :1], drafts[:, :0], q[:, :0], st)
     assert out0.shape == (r, 1) and bool((na0 == 0).all())
-    assert bool((out0[:, 0] >= 0).all())
+    assert torch.equal(out0[:, 0], sample(target[:, 0], st, salt=SALT_RESAMPLE)), ctx.tag
 
 
 # ------------------------------------------------------------ lossless rejection sampling

@@ -133,10 +133,16 @@ class DecoderLM(nn.Module):
             x = layer(x, positions)
             if i in self.capture_layer_ids:
                 captured[i] = x
+        x = self.model.norm(x)
+        last = len(self.model.layers) - 1
+        if last in captured:
+            # transformers' hidden_states tuple (what drafters are trained on) ends with the
+            # final-normed output, not the last layer's raw one.
+            captured[last] = x
         features = (
             torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1) if captured else None
         )
-        return self.model.norm(x), features
+        return x, features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
         return self.lm_head(hidden).float()

@@ -164,6 +164,32 @@ class _Cursor:
         except UnicodeDecodeError:
             raise _FormatError(f"{what} at offset {self.pos - n} is not UTF-8") from None
 
+    def strings(self, count: int, what: str) -> list[str]:
+        # The vocabulary and merges are ~100k strings: a tight loop with locals instead of
+        # `string()` per element keeps header parsing well under a second.
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = struct.Struct("<Q").unpack_from
+        out: list[str] = []
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    break
+                (n,) = unpack(buf, pos)
+                pos += 8
+                if pos + n > size:
+                    break
+                out.append(buf[pos : pos + n].decode("utf-8"))
+                pos += n
+        except UnicodeDecodeError:
+            raise _FormatError(f"{what}[{len(out)}] at offset {pos} is not UTF-8") from None
+        self.pos = pos
+        if len(out) < count:
+            raise _FormatError(
+                f"truncated or corrupt: {what} stops after {len(out)} of {count} strings "
+                f"at offset {pos}, but the file is {size} bytes long"
+            )
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         try:
             vtype = GGUFValueType(vtype)
@@ -191,7 +217,7 @@ class _Cursor:
         # into an error instead of a long loop over garbage.
         self.need(count * 8, what)
         if item_type == GGUFValueType.STRING:
-            return [self.string(f"{what}[{i}]") for i in range(count)]
+            return self.strings(count, what)
         return [self.value(item_type, f"{what}[{i}]") for i in range(count)]
 
 
@@ -239,8 +265,11 @@ def _read_header(buf: mmap.mmap) -> tuple[dict[str, Any], list[_TensorInfo], int
     return metadata, tensors, data_start
 
 
-def _tensor_layout(info: _TensorInfo) -> tuple[int, int]:
-    """(rows, bytes per row) of a tensor's data; quantization blocks never straddle rows."""
+def _tensor_extent(info: _TensorInfo, data_start: int, file_size: int) -> tuple[int, int, int]:
+    """(absolute start, rows, bytes per row) of a tensor's data, checked against the file size.
+
+    Quantization blocks never straddle rows, so each row is a whole number of blocks.
+    """
     block_size, type_size = GGML_QUANT_SIZES[info.qtype]
     if info.ne[0] % block_size:
         raise _FormatError(
@@ -250,20 +279,22 @@ def _tensor_layout(info: _TensorInfo) -> tuple[int, int]:
     rows = 1
     for n in info.ne[1:]:
         rows *= n
-    return rows, info.ne[0] // block_size * type_size
+    row_bytes = info.ne[0] // block_size * type_size
+    start = data_start + info.offset
+    end = start + rows * row_bytes
+    if end > file_size:
+        raise _FormatError(
+            f"truncated: tensor {info.name!r} needs bytes {start}..{end}, "
+            f"but the file ends at {file_size}"
+        )
+    return start, rows, row_bytes
 
 
 def _dequantize(buf: mmap.mmap, info: _TensorInfo, data_start: int) -> torch.Tensor:
     """The tensor as float32, in torch dimension order (the reverse of ggml's `ne`)."""
-    rows, row_bytes = _tensor_layout(info)
-    nbytes = rows * row_bytes
-    start = data_start + info.offset
-    if start + nbytes > len(buf):
-        raise _FormatError(
-            f"truncated: tensor {info.name!r} needs bytes {start}..{start + nbytes}, "
-            f"but the file ends at {len(buf)}"
-        )
-    raw = np.frombuffer(buf, dtype=np.uint8, count=nbytes, offset=start).reshape(rows, row_bytes)
+    start, rows, row_bytes = _tensor_extent(info, data_start, len(buf))
+    raw = np.frombuffer(buf, dtype=np.uint8, count=rows * row_bytes, offset=start)
+    raw = raw.reshape(rows, row_bytes)
     try:
         values = gguf.quants.dequantize(raw, info.qtype)
     except NotImplementedError:
@@ -272,10 +303,11 @@ def _dequantize(buf: mmap.mmap, info: _TensorInfo, data_start: int) -> torch.Ten
         ) from None
     # F32 / F16 come back as views of the read-only mapping; everything else is a fresh array.
     values = np.array(values, dtype=np.float32, copy=not values.flags.writeable)
-    tensor = torch.from_numpy(values.reshape(tuple(reversed(info.ne))))
-    if not torch.isfinite(tensor).all():
+    # Checked in numpy: single-threaded and cheap, where torch's threaded reduction is not
+    # on a busy machine. Garbage scale bytes are the usual sign of a damaged file.
+    if not np.isfinite(values).all():
         raise _FormatError(f"tensor {info.name!r} holds NaN or infinite values (corrupt data?)")
-    return tensor
+    return torch.from_numpy(values.reshape(tuple(reversed(info.ne))))
 
 
 # --- architectures -------------------------------------------------------------------------
@@ -708,6 +740,8 @@ def _load(buf: mmap.mmap, path: str) -> GGUFCheckpoint:
         if info.name in tensors:
             raise _FormatError(f"tensor {info.name!r} appears twice")
         tensors[info.name] = info
+        # Fail on a cut-short download now, not after seconds of dequantizing what is there.
+        _tensor_extent(info, data_start, len(buf))
 
     hf_config = _build_config(metadata, spec, tensors)
     tokenizer_json, tokenizer_config, eos_ids = _build_tokenizer(metadata)

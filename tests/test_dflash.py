@@ -1,0 +1,200 @@
+"""DFlash speculative decoding: lossless against plain decoding, and the same drafter semantics
+as z-lab's reference `dflash` package."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft import LLM, SamplingParams
+
+from checkpoints import (
+    make_dflash_drafter,
+    make_predictable_target,
+    make_qwen3_checkpoint,
+    zlab_first_draft_logits,
+    zlab_generate,
+)
+
+PROMPT_LENGTHS = [1, 4, 9, 16, 23, 40]
+
+
+@pytest.fixture(scope="module")
+def random_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("random")
+    target = make_qwen3_checkpoint(root / "target")
+    return target, make_dflash_drafter(root / "drafter", target)
+
+
+@pytest.fixture(scope="module")
+def agreeing_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("agreeing")
+    target = make_predictable_target(root / "target")
+    return target, make_dflash_drafter(root / "drafter", target, agree_with_target=True)
+
+
+def prompts_for(target: Path, rng: torch.Generator) -> list[list[int]]:
+    import json
+
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    return [torch.randint(4, vocab, (n,), generator=rng).tolist() for n in PROMPT_LENGTHS]
+
+
+def spec(drafter: Path, n: int | None) -> dict:
+    cfg = {"method": "dflash", "model": str(drafter)}
+    if n is not None:
+        cfg["num_speculative_tokens"] = n
+    return cfg
+
+
+def assert_same_tokens(ar, sd) -> None:
+    for a, s in zip(ar, sd, strict=True):
+        assert s.outputs[0].token_ids == a.outputs[0].token_ids
+        assert s.outputs[0].finish_reason == a.outputs[0].finish_reason
+        assert s.outputs[0].text == a.outputs[0].text
+
+
+SETUPS = {
+    "plain": {},
+    "chunked-prefill": dict(max_num_batched_tokens=20),
+    "preemption": dict(block_size=4, num_kv_blocks=30, max_model_len=96),
+    "prefix-cache": dict(block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 15])
+def test_greedy_lossless_random_drafter(random_pair, n: int, rng) -> None:
+    target, drafter = random_pair
+    prompts = prompts_for(target, rng)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=spec(drafter, n))
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    assert_same_tokens(ar, sd)
+    for out in sd:
+        lengths = out.spec_accept_lengths
+        assert all(1 <= k <= n + 1 for k in lengths)
+        assert 1 + sum(lengths) == len(out.outputs[0].token_ids)
+    assert llm.engine.spec_stats.num_draft_tokens == n * llm.engine.spec_stats.num_drafts
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("n", [3, 15])
+def test_greedy_lossless_agreeing_drafter(agreeing_pair, setup: str, n: int, rng) -> None:
+    target, drafter = agreeing_pair
+    prompts = prompts_for(target, rng)
+    if setup == "prefix-cache":  # a shared prefix, so later requests hit cached blocks
+        prompts = [prompts[-1] + p for p in prompts]
+    # max_tokens not a multiple of n + 1: the last accepted run is truncated.
+    params = SamplingParams(temperature=0, max_tokens=37, ignore_eos=True)
+    ar = LLM(str(target), **SETUPS[setup]).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=spec(drafter, n), **SETUPS[setup])
+    # The first request alone fills the prefix cache (its target and drafter K/V) for the rest.
+    sd = llm.generate(prompts[:1], params, use_tqdm=False)
+    sd += llm.generate(prompts[1:], params, use_tqdm=False)
+    assert_same_tokens(ar, sd)
+    stats = llm.engine.spec_stats
+    assert stats.mean_acceptance_length > 0.8 * (n + 1), stats.summary()
+    if setup == "preemption":
+        # A recomputed request samples its next token from the prefill, not from a verify.
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert all(1 + sum(o.spec_accept_lengths) <= 37 for o in sd)
+    else:
+        assert all(1 + sum(o.spec_accept_lengths) == 37 for o in sd)
+    if setup == "prefix-cache":
+        assert all(o.num_cached_tokens >= 36 for o in sd[1:])
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stops_inside_an_accepted_run(agreeing_pair, rng) -> None:
+    target, drafter = agreeing_pair
+    prompt = prompts_for(target, rng)[3]
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ar_tokens = LLM(str(target)).generate([prompt], base, use_tqdm=False)[0].outputs[0].token_ids
+    llm_ar = LLM(str(target))
+    llm_sd = LLM(str(target), speculative_config=spec(drafter, 15))
+    stop_token = ar_tokens[6]  # lands inside the first verify's accepted run
+    tok = llm_sd.tokenizer
+    stop_text = tok.decode(ar_tokens[9:11])
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]
+    for params in cases:
+        ar = llm_ar.generate([prompt], params, use_tqdm=False)
+        sd = llm_sd.generate([prompt], params, use_tqdm=False)
+        assert_same_tokens(ar, sd)
+        assert sd[0].outputs[0].finish_reason == ("length" if params.max_tokens == 5 else "stop")
+        assert 1 + sum(sd[0].spec_accept_lengths) == len(sd[0].outputs[0].token_ids)
+
+
+ZLAB_CASES = {
+    "full": {},
+    "sliding": dict(num_layers=3, sliding_window=5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # features of the last target layer are its final-normed output, as in transformers
+    "last-layer-feature": dict(target_layer_ids=[1, 5]),
+    # long, varying accepted runs: the agreeing drafter with some deliberately wrong drafts
+    "varying-acceptance": dict(agree_with_target=True, draft_error_rate=0.15),
+}
+
+
+@pytest.mark.parametrize("kind", list(ZLAB_CASES))
+def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    if kind == "varying-acceptance":
+        target = make_predictable_target(tmp_path / "target", num_layers=6)
+    else:
+        target = make_qwen3_checkpoint(tmp_path / "target", num_layers=6)
+    drafter = make_dflash_drafter(
+        tmp_path / "drafter", target, block_size=8, seed=seed, **ZLAB_CASES[kind]
+    )
+    prompt = torch.randint(4, 64, (21,), generator=rng).tolist()
+    # Drafter logits of the first step, computed by z-lab's DFlashDraftModel.
+    ref_logits = zlab_first_draft_logits(target, drafter, prompt)
+    llm = LLM(str(target), speculative_config=spec(drafter, None), block_size=4)
+    seen: list[torch.Tensor] = []
+    proposer = llm.engine.proposer
+    original = proposer.drafter.compute_logits
+    proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    max_new = 30
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    rel = (seen[0] - ref_logits).abs().max() / ref_logits.abs().max()
+    assert rel < 1e-4
+    ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
+    assert out.outputs[0].token_ids == ref_tokens
+    # z-lab shrinks its last block to the tokens still allowed; compare every full step.
+    assert out.spec_accept_lengths[:-1] == ref_lengths[:-1]
+    if kind == "varying-acceptance":
+        assert len(set(ref_lengths[:-1])) > 1 and max(ref_lengths) > 4
+
+
+def test_sampling_is_lossless(random_pair) -> None:
+    """Thousands of seeded samples of the first tokens agree between speculative and plain
+    decoding (two-sample chi-square on the second and third tokens, which come from verify)."""
+    from scipy.stats import chi2_contingency
+
+    target, drafter = random_pair
+    prompt = [5, 17, 33, 8]
+    num = 3000
+    params = [
+        SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s)
+        for s in range(num)
+    ]
+    kw = dict(max_num_seqs=512, max_model_len=32)
+    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=spec(drafter, 3), **kw)
+    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    assert llm.engine.spec_stats.num_drafts > 0
+    for position in (1, 2):
+        a = [o.outputs[0].token_ids[position] for o in ar]
+        s = [o.outputs[0].token_ids[position] for o in sd]
+        values = sorted(set(a) | set(s))
+        table = [[a.count(v) for v in values], [s.count(v) for v in values]]
+        table = [[row[i] for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
+                 for row in table]
+        p_value = chi2_contingency(table).pvalue
+        assert p_value > 1e-3, (position, table)
