@@ -99,6 +99,23 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(out)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        from blockdraft.server import run_server
+    except ImportError as e:
+        raise ValueError(
+            f"serve needs the server extra (pip install 'blockdraft[server]'): {e}"
+        ) from None
+    run_server(
+        _engine_kwargs(args),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model or "SmolLM2-135M-Instruct",
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="blockdraft")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +129,15 @@ def main(argv: list[str] | None = None) -> None:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="queued requests beyond max-num-seqs before 503")
+    serve.add_argument("--served-model-name", default=None)
+    serve.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     try:
         args.func(args)

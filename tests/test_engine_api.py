@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
+
 from checkpoints import make_llama_checkpoint, make_qwen3_checkpoint
 
 
@@ -82,7 +83,8 @@ def test_bad_checkpoints(tmp_path: Path, target: Path) -> None:
         LLM(str(broken))
     shutil.copy(target / "model.safetensors", broken / "model.safetensors")
     config = json.loads((target / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    gpt2 = {**config, "architectures": ["GPT2LMHeadModel"]}
+    (broken / "config.json").write_text(json.dumps(gpt2))
     with pytest.raises(ValueError, match="supported: Qwen3ForCausalLM, LlamaForCausalLM"):
         LLM(str(broken))
     (broken / "config.json").write_text(json.dumps({**config, "hidden_size": 96}))

@@ -20,6 +20,7 @@ import torch
 
 from blockdraft.layers.sampler import (
     SamplingTensors,
+    _bits_to_uniform,
     hashed_uniform,
     sample,
     sample_from_probs,
@@ -191,6 +192,18 @@ def test_hashed_uniform_is_a_pure_function(ctx: Ctx) -> None:
         hashed_uniform(seed, pos, 3 + (1 << 33), width),
     ):
         assert (other != u).float().mean() > 0.99, ctx.tag
+
+
+def test_uniform_conversion_extremes() -> None:
+    # Regression: the largest hash outputs once rounded to exactly 1.0 in float32, so
+    # -log(u) was 0 and 0/0 = NaN let a zero-probability token win the race.
+    x = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1])
+    u = _bits_to_uniform(x)
+    assert bool(((u > 0) & (u < 1)).all())
+    e = -torch.log(u)
+    assert bool(((e > 0) & torch.isfinite(e)).all())
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7]]).expand(len(x), 4)
+    assert bool(((probs / e[:, None]).argmax(-1) % 2 == 1).all())
 
 
 @pytest.mark.parametrize("scheme", ["random", "consecutive_seeds", "consecutive_positions"])

@@ -21,7 +21,7 @@ _MUL_B = 0x5CB15CC5
 # Distinct starting constants keep the row stream and the column stream apart.
 _ROW_INIT = 0x2545F491
 _COL_INIT = 0x6A09E667
-_TWO_POW_M24 = 1.0 / (1 << 24)
+_TWO_POW_M23 = 1.0 / (1 << 23)
 
 
 @dataclass
@@ -122,7 +122,7 @@ def hashed_uniform(
     """Counter-based uniform random numbers, a pure function of their coordinates.
 
     Value (r, c) depends only on (seed[r], position[r], salt, c); width=None returns
-    column 0 as a 1-D tensor. Values are k/2**24 + 2**-25, never exactly 0 or 1.
+    column 0 as a 1-D tensor. Values are (k + 0.5) / 2**23 for k in [0, 2**23).
     """
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
@@ -138,9 +138,15 @@ def hashed_uniform(
     col_key = _mix32(_mix32(cols ^ _COL_INIT))
     # The [R, V] part is a single mix of two already well-mixed keys, because this is the
     # only piece whose cost scales with the vocabulary.
-    x = _mix32(h[:, None] ^ col_key[None, :])
-    u = ((x >> 8).to(torch.float32) + 0.5) * _TWO_POW_M24
+    u = _bits_to_uniform(_mix32(h[:, None] ^ col_key[None, :]))
     return u[:, 0] if width is None else u
+
+
+def _bits_to_uniform(x: torch.Tensor) -> torch.Tensor:  # x: [...] int64 in [0, 2**32)
+    # 23 bits, not 24: (k + 0.5) then needs at most 24 significant bits, so every value is
+    # exact in float32 and the largest is 1 - 2**-24. With 24 bits the top values round
+    # to exactly 1.0, making -log(u) == 0 and 0/0 = NaN win the exponential race.
+    return ((x >> 9).to(torch.float32) + 0.5) * _TWO_POW_M23
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # logits: [R, V]; -> [R, V] f32

@@ -85,9 +85,7 @@ def rejection_sample(
         residual = p_at
     else:
         if draft_probs is None:
-            q_at = torch.zeros_like(p_at).scatter_(
-                1, draft_tokens[rows, at_draft][:, None], 1.0
-            )
+            q_at = torch.zeros_like(p_at).scatter_(1, draft_tokens[rows, at_draft][:, None], 1.0)
         else:
             q_at = draft_probs[rows, at_draft].float()
         # Bonus rows have no draft to subtract.
