@@ -12,8 +12,14 @@ class SpeculativeConfig:
     model: str  # DFlash drafter directory
     method: str = "dflash"
     num_speculative_tokens: int | None = None  # default: drafter block_size - 1
+    # Benchmark only: accept each draft with this probability instead of verifying it, so speed
+    # can be measured at a chosen acceptance length with random weights. Output is meaningless.
+    synthetic_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
+        rate = self.synthetic_acceptance_rate
+        if rate is not None and not 0 <= rate <= 1:
+            raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {rate}")
         if self.method != "dflash":
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
         n = self.num_speculative_tokens
@@ -26,7 +32,9 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict or SpeculativeConfig")
-        unknown = set(value) - {"model", "method", "num_speculative_tokens"}
+        unknown = set(value) - {
+            "model", "method", "num_speculative_tokens", "synthetic_acceptance_rate"
+        }
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
         if "model" not in value:

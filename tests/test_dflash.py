@@ -198,3 +198,26 @@ def test_sampling_is_lossless(random_pair) -> None:
                  for row in table]
         p_value = chi2_contingency(table).pvalue
         assert p_value > 1e-3, (position, table)
+
+
+def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path) -> None:
+    """Benchmark mode: a target and drafter built from config.json alone, with a fixed per-draft
+    acceptance probability, give the expected mean acceptance length."""
+    import json
+
+    from benchmarks.common import write_dummy_drafter
+
+    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+          "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256}
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(json.dumps(hf))
+    drafter = write_dummy_drafter(tmp_path / "drafter", hf, num_layers=2, with_weights=False)
+    rate, n = 0.7, 7
+    llm = LLM(str(tmp_path / "target"), load_format="dummy", speculative_config={
+        **spec(drafter, n), "synthetic_acceptance_rate": rate})
+    outs = llm.generate([[5, 6, 7]] * 16, SamplingParams(temperature=0, max_tokens=64,
+                                                        ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    expected = sum(rate**k for k in range(n + 1))  # E[accepted + 1] for a geometric run
+    assert abs(llm.engine.spec_stats.mean_acceptance_length - expected) < 0.35

@@ -110,7 +110,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, lookahead
         )
-        self.runner = ModelRunner(self.model, config.block_size, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            config.block_size,
+            self.device,
+            spec.synthetic_acceptance_rate if spec is not None else None,
+        )
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecDecodeStats(self.num_spec)

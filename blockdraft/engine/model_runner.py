@@ -64,8 +64,10 @@ class ModelRunner:
         model: DecoderLM,
         block_size: int,
         device: torch.device,
+        synthetic_acceptance_rate: float | None = None,
     ) -> None:
         self.model = model
+        self.synthetic_acceptance_rate = synthetic_acceptance_rate
         self.block_size, self.device = block_size, device
 
     @torch.inference_mode()
@@ -126,5 +128,22 @@ class ModelRunner:
             )
         # The first draft sits one past the anchor, the last committed token.
         st = sampling_tensors(seqs, [c.start + 1 for c in chunks], self.device)
-        out, accepted = rejection_sample(logits, drafts, draft_probs, st)
+        if self.synthetic_acceptance_rate is not None:
+            out, accepted = self._synthetic_verify(logits, drafts)
+        else:
+            out, accepted = rejection_sample(logits, drafts, draft_probs, st)
         return out.tolist(), accepted.tolist()
+
+    def _synthetic_verify(
+        self,
+        logits: torch.Tensor,  # [R, N+1, V]
+        drafts: torch.Tensor,  # [R, N] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Benchmark mode: each draft is accepted with a fixed probability (the cost of real
+        verification is still paid, by computing the target's argmax)."""
+        num_rows, n = drafts.shape
+        coin = torch.rand(num_rows, n, device=drafts.device) < self.synthetic_acceptance_rate
+        accepted = coin.long().cumprod(dim=1).sum(dim=1)
+        out = torch.cat([drafts, logits[:, -1:].argmax(-1)], dim=1)
+        out.scatter_(1, accepted[:, None], logits.argmax(-1).gather(1, accepted[:, None]))
+        return out, accepted

@@ -1,0 +1,196 @@
+"""GPU benchmark on Qwen3-8B shapes with random bf16 weights made on the device.
+
+    python benchmarks/gpu_bench.py [--prompt-len 512] [--new-tokens 256] [--json out.json]
+
+a. batch-1 autoregressive decode tok/s: ours, the memory-bandwidth roofline (weight bytes /
+   measured copy bandwidth), transformers `generate`, z-lab's `dflash_generate` at block 1;
+b. step-cost ratio (verify 1+N + draft) / (one decode step) at batch 1, 8, 32;
+c. DFlash tok/s with synthetic acceptance (p = 0.86, mean acceptance 6.5 at N = 15) at
+   concurrency 1, 4, 8, 16, 32 next to our autoregressive throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import hardware, now, print_table, write_dummy_drafter  # noqa: E402
+from blockdraft import LLM, SamplingParams  # noqa: E402
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    t0 = now()
+    for _ in range(10):
+        y.copy_(x)
+    elapsed = now() - t0
+    del x, y
+    return 2 * 2 * 1024**3 * 10 / elapsed  # bytes read + written per second
+
+
+def weight_bytes(cfg: dict) -> int:
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    # The embedding is gathered (one row per token), the LM head read whole.
+    return 2 * (layers * per_layer + cfg["vocab_size"] * h)
+
+
+def decode_tok_s(llm: LLM, prompt: list[int], batch: int, new_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate([prompt] * batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    t0 = now()
+    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0)
+
+
+def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"probe{i}", prompt, params)
+    while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                    for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    t0 = now()
+    for _ in range(steps):
+        engine.step()
+    elapsed = now() - t0
+    for i in range(batch):
+        engine.abort_request(f"probe{i}")
+    return elapsed / steps * 1e3
+
+
+def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    ids = torch.tensor([prompt], device="cuda")
+    model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    t0 = now()
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0)
+    hf = (out.shape[1] - ids.shape[1]) / (now() - t0)
+    zlab = float("nan")
+    try:
+        import dflash.model as zl
+        from transformers import Qwen3Config
+
+        zl._cuda_time = now
+        dcfg = Qwen3Config(**{**cfg.to_dict(), "num_hidden_layers": 1})
+        dcfg.num_target_layers = cfg.num_hidden_layers
+        dcfg.block_size = 16
+        dcfg.dflash_config = {"mask_token_id": 0, "target_layer_ids": [18]}
+        with torch.device("cuda"):
+            drafter = zl.DFlashDraftModel(dcfg).to(torch.bfloat16).eval()
+        for n in (8, new_tokens):
+            t0 = now()
+            zl.dflash_generate(drafter, model, ids, max_new_tokens=n, stop_token_ids=None,
+                               block_size=1)
+        zlab = new_tokens / (now() - t0)
+    except Exception as e:  # the peer is optional: report why it did not run
+        print(f"z-lab dflash_generate did not run: {type(e).__name__}: {e}")
+    del model
+    torch.cuda.empty_cache()
+    return hf, zlab
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument("--accept", type=float, default=0.86)
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
+    tmp = Path(tempfile.mkdtemp())
+    target = tmp / "qwen3-8b"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(QWEN3_8B))
+    drafter = write_dummy_drafter(tmp / "drafter", QWEN3_8B, num_layers=5, with_weights=False)
+    prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
+
+    bandwidth = copy_bandwidth()
+    roofline = bandwidth / weight_bytes(QWEN3_8B)
+    results["copy_bandwidth_TBps"] = bandwidth / 1e12
+    results["roofline_tok_s"] = roofline
+    kw = dict(load_format="dummy", max_model_len=args.prompt_len + args.new_tokens + 64,
+              max_num_seqs=max(args.concurrency + args.batches))
+    t0 = time.perf_counter()
+    ar = LLM(str(target), **kw)
+    print(f"target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    results["ar_batch1_tok_s"] = decode_tok_s(ar, prompt, 1, args.new_tokens)
+    hf = zlab = float("nan")
+    if not args.skip_peers:
+        hf, zlab = hf_and_zlab(target, prompt, min(64, args.new_tokens))
+    results["transformers_tok_s"], results["zlab_block1_tok_s"] = hf, zlab
+
+    ar_steps = {b: mean_step_ms(ar, prompt, b, args.steps) for b in tqdm(args.batches, "AR steps")}
+    ar_conc = {c: decode_tok_s(ar, prompt, c, 64) for c in tqdm(args.concurrency, "AR conc")}
+    del ar
+    torch.cuda.empty_cache()
+    sd = LLM(str(target), speculative_config={
+        "method": "dflash", "model": str(drafter), "num_speculative_tokens": 15,
+        "synthetic_acceptance_rate": args.accept}, **kw)
+    sd_steps = {b: mean_step_ms(sd, prompt, b, args.steps) for b in tqdm(args.batches, "SD steps")}
+    sd_conc = {c: decode_tok_s(sd, prompt, c, 64) for c in tqdm(args.concurrency, "SD conc")}
+    results["step_ms"] = {"ar": ar_steps, "dflash": sd_steps}
+    results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc}
+    results["mean_acceptance_length"] = sd.engine.spec_stats.mean_acceptance_length
+
+    print(f"\n{results['hardware']}, {results['date']}; Qwen3-8B shapes, random bf16 weights, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print_table("a. batch-1 decode tok/s", ["roofline", "blockdraft AR", "transformers",
+                                            "z-lab block 1"],
+                [[roofline, results["ar_batch1_tok_s"], hf, zlab]])
+    print_table("b. step cost (ms) and ratio", ["batch", "decode", "verify16+draft", "ratio"],
+                [[b, ar_steps[b], sd_steps[b], sd_steps[b] / ar_steps[b]] for b in args.batches])
+    print_table(f"c. tok/s, synthetic acceptance p={args.accept} "
+                f"(mean acceptance {results['mean_acceptance_length']:.2f})",
+                ["concurrency", "AR", "DFlash", "speedup"],
+                [[c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c]] for c in args.concurrency])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
