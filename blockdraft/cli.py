@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="queued requests beyond max-num-seqs before 503")
     serve.add_argument("--served-model-name", default=None)
     serve.set_defaults(func=cmd_serve)
+    from blockdraft.train.cli import add_train_draft_parser
+
+    add_train_draft_parser(sub)
     args = parser.parse_args(argv)
     try:
         args.func(args)

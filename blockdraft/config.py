@@ -57,6 +57,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
+    enforce_eager: bool = False  # True: no CUDA graphs on GPU
     speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:

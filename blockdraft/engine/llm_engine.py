@@ -11,11 +11,13 @@ import torch
 
 from blockdraft.config import EngineConfig
 from blockdraft.engine.block_manager import BlockManager
+from blockdraft.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
 from blockdraft.engine.model_runner import (
     ModelRunner,
     StepOutput,
     allocate_kv_cache,
     kv_bytes_per_block,
+    run_forward,
     sampling_tensors,
 )
 from blockdraft.engine.output_processor import OutputProcessor
@@ -99,7 +101,15 @@ class LLMEngine:
             self.num_spec = n
             self.model.capture_layer_ids = drafter.cfg.target_layer_ids
             attention_layers += drafter.attention_layers
-            self.proposer = DFlashProposer(drafter, n, config.block_size)
+            self.proposer = DFlashProposer(
+                drafter,
+                n,
+                config.block_size,
+                lambda ids, starts, tables: run_forward(
+                    drafter, self.drafter_graphs, ids, starts, tables, config.block_size,
+                    self.device,
+                ),
+            )
         lookahead = self.num_spec + 1 if self.num_spec else 0
 
         num_blocks = self._num_kv_blocks(attention_layers, dtype, lookahead)
@@ -116,12 +126,40 @@ class LLMEngine:
             self.device,
             spec.synthetic_acceptance_rate if spec is not None else None,
         )
+        self.drafter_graphs: dict[int, CUDAGraphRunner] = {}
+        self.capture_time_s = 0.0
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs(lookahead)
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecDecodeStats(self.num_spec)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
         self.load_time_s = time.perf_counter() - t0
+
+    def _capture_graphs(self, lookahead: int) -> None:
+        t0 = time.perf_counter()
+        cfg = self.config
+        sizes = default_batch_sizes(cfg.max_num_seqs)
+        max_blocks = -(-(self.max_model_len + lookahead) // cfg.block_size)
+        pool = None
+        query_lens = [1] + ([self.num_spec + 1] if self.num_spec else [])
+        for q in query_lens:
+            runner = CUDAGraphRunner(
+                self.model, q, sizes, max_blocks, cfg.block_size, self.device, pool
+            )
+            runner.capture()
+            pool = runner.pool
+            self.runner.graphs[q] = runner
+        if self.proposer is not None:
+            q = self.num_spec + 1
+            runner = CUDAGraphRunner(
+                self.proposer.drafter, q, sizes, max_blocks, cfg.block_size, self.device, pool
+            )
+            runner.capture()
+            self.drafter_graphs[q] = runner
+        torch.cuda.synchronize()
+        self.capture_time_s = time.perf_counter() - t0
 
     def _num_kv_blocks(self, layers: list, dtype: torch.dtype, lookahead: int) -> int:
         cfg = self.config

@@ -3,13 +3,20 @@ and drives the speculator. It orchestrates; the feature logic lives in the modul
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from blockdraft.engine.cuda_graphs import CUDAGraphRunner
 from blockdraft.engine.scheduler import ScheduledChunk
 from blockdraft.engine.sequence import Sequence
-from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.kernels.forward_context import (
+    build_attention_metadata,
+    flat_slots,
+    forward_context,
+    padded_block_tables,
+)
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.sampler import SamplingTensors, sample
 from blockdraft.models.decoder import DecoderLM
@@ -34,7 +41,8 @@ def allocate_kv_cache(
     device: torch.device,
 ) -> None:
     for attn in layers:
-        shape = (num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
+        # One extra block at the end takes the writes of padded rows (see store_kv).
+        shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
         attn.key_cache = torch.zeros(shape, dtype=dtype, device=device)
         attn.value_cache = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -42,6 +50,42 @@ def allocate_kv_cache(
 def kv_bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
+
+
+def run_forward(
+    module: torch.nn.Module,
+    graphs: dict[int, CUDAGraphRunner],
+    token_ids: list[list[int]],
+    starts: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> object:
+    """One forward over a flat batch: replays a CUDA graph when every request has the same
+    number of rows and one was captured for it, else runs eagerly. Outputs are sliced to the
+    real rows."""
+    query_lens = [len(t) for t in token_ids]
+    flat_ids = [t for ids in token_ids for t in ids]
+    positions = [s + i for s, n in zip(starts, query_lens, strict=True) for i in range(n)]
+    graph = graphs.get(query_lens[0]) if len(set(query_lens)) == 1 else None
+    if graph is not None and graph.fits(len(starts), max(len(t) for t in block_tables)):
+        rows = len(flat_ids)
+        out = graph.run(
+            torch.tensor(flat_ids, dtype=torch.int64),
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(flat_slots(block_tables, starts, query_lens, block_size)),
+            torch.tensor([s + n for s, n in zip(starts, query_lens, strict=True)]),
+            torch.tensor(padded_block_tables(block_tables)),
+        )
+        if isinstance(out, tuple):
+            return tuple(o[:rows] if o is not None else None for o in out)
+        return out[:rows]
+    meta = build_attention_metadata(block_tables, starts, query_lens, block_size, device)
+    with forward_context(meta):
+        return module(
+            torch.tensor(flat_ids, dtype=torch.int64).to(device),
+            torch.tensor(positions, dtype=torch.int64).to(device),
+        )
 
 
 def sampling_tensors(
@@ -68,25 +112,22 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        self.graphs: dict[int, CUDAGraphRunner] = {}  # query length -> captured forwards
         self.block_size, self.device = block_size, device
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
-        token_ids = [t for c in chunks for t in c.token_ids]
-        positions = [c.start + i for c in chunks for i in range(len(c.token_ids))]
-        meta = build_attention_metadata(
-            [c.seq.block_table for c in chunks],
+        query_lens = [len(c.token_ids) for c in chunks]
+        hidden, features = run_forward(
+            self.model,
+            self.graphs,
+            [c.token_ids for c in chunks],
             [c.start for c in chunks],
-            [len(c.token_ids) for c in chunks],
+            [c.seq.block_table for c in chunks],
             self.block_size,
             self.device,
         )
-        with forward_context(meta):
-            hidden, features = self.model(
-                torch.tensor(token_ids, dtype=torch.int64).to(self.device),
-                torch.tensor(positions, dtype=torch.int64).to(self.device),
-            )
-        ends = meta.query_start_loc[1:].tolist()
+        ends = list(itertools.accumulate(query_lens))
         decode = [i for i, c in enumerate(chunks) if c.completes and not c.num_drafts]
         verify = [i for i, c in enumerate(chunks) if c.num_drafts]
         new_tokens: list[list[int]] = [[] for _ in chunks]

@@ -26,8 +26,11 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int64, keys visible to each sequence after this step
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # an upper bound is fine: keys past seq_lens are masked
     block_size: int
+    # Every sequence has exactly max_query_len query rows (decode, verify, drafter blocks):
+    # the query layout is then static, which CUDA graphs need.
+    uniform_query_len: bool = False
     # Masks and gather indices derived from the fields above, built once per step on first use
     # and shared by all layers with the same (causal, window).
     cache: dict = field(default_factory=dict)
@@ -60,6 +63,20 @@ def slots_for_positions(block_table: list[int], positions: range, block_size: in
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
+def flat_slots(
+    block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int
+) -> list[int]:
+    slots: list[int] = []
+    for table, start, n in zip(block_tables, starts, query_lens, strict=True):
+        slots += slots_for_positions(table, range(start, start + n), block_size)
+    return slots
+
+
+def padded_block_tables(block_tables: list[list[int]]) -> list[list[int]]:
+    width = max(len(t) for t in block_tables)
+    return [t + [0] * (width - len(t)) for t in block_tables]
+
+
 def build_attention_metadata(
     block_tables: list[list[int]],
     starts: list[int],
@@ -70,11 +87,8 @@ def build_attention_metadata(
     """Sequence i computes positions starts[i] .. starts[i] + query_lens[i] - 1 and sees every
     key before them."""
     seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
-    slots: list[int] = []
-    for table, start, end in zip(block_tables, starts, seq_lens, strict=True):
-        slots += slots_for_positions(table, range(start, end), block_size)
-    width = max(len(t) for t in block_tables)
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    slots = flat_slots(block_tables, starts, query_lens, block_size)
+    padded = padded_block_tables(block_tables)
     loc = [0]
     for n in query_lens:
         loc.append(loc[-1] + n)
@@ -90,4 +104,5 @@ def build_attention_metadata(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
+        uniform_query_len=len(set(query_lens)) == 1,
     )

@@ -1,9 +1,9 @@
 """Paged attention, pure-torch implementation (the reference the Triton kernels are checked
 against, and what CPU runs use).
 
-Keys and values live in a block pool `[num_blocks, block_size, num_kv_heads, head_dim]`; a
-sequence's block table lists its blocks in order. Query row j of sequence i sits at position
-`seq_lens[i] - query_lens[i] + j`. Causal rows see keys at positions <= their own; non-causal
+Keys and values live in a block pool `[num_blocks, block_size, num_kv_heads, head_dim]` whose
+last block is reserved for padded rows; a sequence's block table lists its blocks in order.
+Query row j of sequence i sits at position `seq_lens[i] - query_lens[i] + j`. Causal rows see keys at positions <= their own; non-causal
 rows (the DFlash drafter's block) see every key of their sequence. A sliding window of W keeps
 keys with |query position - key position| < W (only the past side when causal).
 """
@@ -23,18 +23,25 @@ def store_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    valid = slot_mapping != PAD_SLOT_ID
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(
-        0, slot_mapping, value.to(value_cache.dtype)
-    )
+    # The pool's last block is never handed out: PAD_SLOT_ID (-1) wraps around to its last slot,
+    # so padded rows write there instead of needing a (host-synchronising) boolean filter.
+    assert PAD_SLOT_ID == -1
+    flat_keys = key_cache.view(-1, *key_cache.shape[2:])
+    slots = slot_mapping % flat_keys.shape[0]
+    flat_keys.index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def _padded_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each flat query row goes in a [num_seqs, max_query_len] grid, and the positions of
     the grid's queries and keys."""
+    if "layout" not in meta.cache and meta.uniform_query_len:
+        device, q = meta.seq_lens.device, meta.max_query_len
+        meta.cache["layout"] = (
+            torch.arange(meta.num_seqs * q, device=device),
+            meta.seq_lens[:, None] - q + torch.arange(q, device=device)[None, :],
+            torch.arange(meta.max_seq_len, device=device),
+        )
     if "layout" not in meta.cache:
         device = meta.seq_lens.device
         query_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]  # [num_seqs]

@@ -14,12 +14,13 @@ slot as its target K/V, so prefix caching, preemption and freeing need no extra 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from blockdraft.kernels.forward_context import (
     build_attention_metadata,
     forward_context,
-    slots_for_positions,
 )
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash import DFlashDrafter
@@ -27,11 +28,34 @@ from blockdraft.spec_decode.rejection_sampler import sample_drafts
 
 
 class DFlashProposer:
-    def __init__(self, drafter: DFlashDrafter, num_speculative_tokens: int, block_size: int):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        num_speculative_tokens: int,
+        block_size: int,
+        run_forward: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         self.drafter = drafter
         self.num_spec = num_speculative_tokens
         self.block_size = block_size
         self.device = next(drafter.parameters()).device
+        # The engine hands in its forward runner (eager, or a CUDA-graph replay) so that this
+        # module stays below the engine in the import graph.
+        self.run_forward = run_forward or self._eager_forward
+
+    def _eager_forward(
+        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        meta = build_attention_metadata(
+            block_tables, starts, [len(t) for t in token_ids], self.block_size, self.device
+        )
+        flat = torch.tensor([t for ids in token_ids for t in ids], device=self.device)
+        positions = torch.tensor(
+            [s + i for s, ids in zip(starts, token_ids, strict=True) for i in range(len(ids))],
+            device=self.device,
+        )
+        with forward_context(meta):
+            return self.drafter(flat, positions)
 
     def write_context(
         self,
@@ -60,26 +84,10 @@ class DFlashProposer:
         request samples (None when all are greedy)."""
         n, q = self.num_spec, self.num_spec + 1
         mask_id = self.drafter.cfg.mask_token_id
-        input_ids = torch.tensor(
-            [tok for a in anchors for tok in [a] + [mask_id] * n],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        positions = torch.tensor(
-            [p + i for p in anchor_positions for i in range(q)],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        meta = build_attention_metadata(
-            block_tables, anchor_positions, [q] * len(anchors), self.block_size, self.device
-        )
-        with forward_context(meta):
-            hidden = self.drafter(input_ids, positions)  # [R * q, hidden]
+        blocks = [[a] + [mask_id] * n for a in anchors]
+        hidden = self.run_forward(blocks, anchor_positions, block_tables)  # [R * q, hidden]
         draft_hidden = hidden.view(len(anchors), q, -1)[:, 1:]  # [R, N, hidden]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(len(anchors), n, -1)
         tokens, probs = sample_drafts(logits, st)
         return tokens.tolist(), probs
 
-
-def block_slots(block_table: list[int], start: int, count: int, block_size: int) -> list[int]:
-    return slots_for_positions(block_table, range(start, start + count), block_size)

@@ -91,9 +91,9 @@ def rejection_sample(
         # Bonus rows have no draft to subtract.
         q_at = torch.where(rejected[:, None], q_at, 0.0)
         residual = (p_at - q_at).clamp(min=0.0)
-        # The race is scale invariant, so no renormalisation; an all-zero residual (only
-        # reachable through rounding or a draft q that dominates p everywhere) falls
-        # back to p.
+        # The race is scale invariant, so no renormalisation. An all-zero residual means
+        # q == p up to rounding, where a rejection is itself a rounding artefact; fall
+        # back to p rather than race over zeros.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
     st_extra = SamplingTensors(
         temperature=st.temperature,

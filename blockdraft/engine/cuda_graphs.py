@@ -1,0 +1,104 @@
+"""CUDA graphs for uniform steps: every request computes the same number of rows (1 for a
+decode, 1+N for a verify or a drafter block). One graph per padded batch size; inputs are
+copied into persistent buffers at fixed addresses, padded requests point at the PAD slot and
+read only their own first keys, so a replay never depends on stale rows.
+
+Attention runs over a fixed key span (max_model_len + lookahead) with keys past each sequence
+masked, so one graph serves every context length."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from blockdraft.kernels.forward_context import PAD_SLOT_ID, AttentionMetadata, forward_context
+
+ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
+
+
+def default_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 33, 8)) + list(range(48, 513, 16))
+    return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        forward: ForwardFn,
+        query_len: int,
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        pool: object | None = None,
+    ) -> None:
+        self.forward, self.query_len, self.block_size = forward, query_len, block_size
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_blocks = max_blocks_per_seq
+        max_rows = self.batch_sizes[-1] * query_len
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_rows, **i64)  # [max_rows]
+        self.positions = torch.zeros(max_rows, **i64)
+        self.slot_mapping = torch.full((max_rows,), PAD_SLOT_ID, **i64)
+        self.seq_lens = torch.full((self.batch_sizes[-1],), query_len, **i64)
+        self.block_tables = torch.zeros(self.batch_sizes[-1], max_blocks_per_seq, **i64)
+        self.query_start_loc = torch.arange(self.batch_sizes[-1] + 1, **i64) * query_len
+        self.pool = pool
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def _meta(self, batch: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[: batch * self.query_len],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            block_tables=self.block_tables[:batch],
+            max_query_len=self.query_len,
+            max_seq_len=self.max_blocks * self.block_size,
+            block_size=self.block_size,
+            uniform_query_len=True,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for batch in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its pool
+            rows = batch * self.query_len
+            args = (self.input_ids[:rows], self.positions[:rows])
+            with forward_context(self._meta(batch)):
+                self.forward(*args)  # warm-up outside the graph (lazy init, autotuning)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool), forward_context(self._meta(batch)):
+                out = self.forward(*args)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = (graph, out)
+
+    def fits(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks
+
+    def run(
+        self,
+        input_ids: torch.Tensor,  # [R * q] int64 (host)
+        positions: torch.Tensor,  # [R * q] int64 (host)
+        slot_mapping: torch.Tensor,  # [R * q] int64 (host)
+        seq_lens: torch.Tensor,  # [R] int64 (host)
+        block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host)
+    ) -> object:
+        num_seqs = seq_lens.shape[0]
+        batch = next(b for b in self.batch_sizes if b >= num_seqs)
+        rows, pad_rows = num_seqs * self.query_len, batch * self.query_len
+        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        self.positions[:rows].copy_(positions, non_blocking=True)
+        self.slot_mapping[:rows].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if pad_rows > rows:  # padded requests: write to the PAD slot, see only their own rows
+            self.slot_mapping[rows:pad_rows].fill_(PAD_SLOT_ID)
+            self.seq_lens[num_seqs:batch].fill_(self.query_len)
+            self.positions[rows:pad_rows].copy_(
+                torch.arange(self.query_len, device=self.positions.device).repeat(batch - num_seqs)
+            )
+        graph, out = self.graphs[batch]
+        graph.replay()
+        return out
