@@ -3,8 +3,9 @@ against, and what CPU runs use).
 
 Keys and values live in a block pool `[num_blocks, block_size, num_kv_heads, head_dim]` whose
 last block is reserved for padded rows; a sequence's block table lists its blocks in order.
-Query row j of sequence i sits at position `seq_lens[i] - query_lens[i] + j`. Causal rows see keys at positions <= their own; non-causal
-rows (the DFlash drafter's block) see every key of their sequence. A sliding window of W keeps
+Query row j of sequence i sits at position `seq_lens[i] - query_lens[i] + j`. Causal rows see
+keys at positions <= their own; non-causal rows (the DFlash drafter's block) see every key of
+their sequence. A sliding window of W keeps
 keys with |query position - key position| < W (only the past side when causal).
 """
 
