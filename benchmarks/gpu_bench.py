@@ -157,7 +157,9 @@ def main() -> None:
               max_num_seqs=max(args.concurrency + args.batches))
     t0 = time.perf_counter()
     ar = LLM(str(target), **kw)
-    print(f"target loaded in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"target loaded in {time.perf_counter() - t0:.1f} s "
+          f"(CUDA graphs captured in {ar.engine.capture_time_s:.1f} s)", flush=True)
+    results["capture_time_s"] = ar.engine.capture_time_s
     results["ar_batch1_tok_s"] = decode_tok_s(ar, prompt, 1, args.new_tokens)
     hf = zlab = float("nan")
     if not args.skip_peers:
