@@ -166,8 +166,16 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     assert rel < 1e-4
     ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
     assert out.outputs[0].token_ids == ref_tokens
-    # z-lab shrinks its last block to the tokens still allowed; compare every full step.
-    assert out.spec_accept_lengths[:-1] == ref_lengths[:-1]
+    # z-lab shrinks its block to the tokens still allowed near the end (a non-causal drafter then
+    # sees fewer masks and drafts differently): compare the steps whose block was full.
+    generated, full_steps = 1, 0
+    for length in ref_lengths:
+        if max_new - generated + 1 < 8:
+            break
+        generated += length
+        full_steps += 1
+    assert full_steps >= 3
+    assert out.spec_accept_lengths[:full_steps] == ref_lengths[:full_steps]
     if kind == "varying-acceptance":
         assert len(set(ref_lengths[:-1])) > 1 and max(ref_lengths) > 4
 
