@@ -112,7 +112,8 @@ def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[fl
         from transformers import Qwen3Config
 
         zl._cuda_time = now
-        dcfg = Qwen3Config(**{**cfg.to_dict(), "num_hidden_layers": 1})
+        dcfg = Qwen3Config(**{**cfg.to_dict(), "num_hidden_layers": 1,
+                              "layer_types": ["full_attention"]})
         dcfg.num_target_layers = cfg.num_hidden_layers
         dcfg.block_size = 16
         dcfg.dflash_config = {"mask_token_id": 0, "target_layer_ids": [18]}
