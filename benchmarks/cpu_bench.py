@@ -70,8 +70,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     ckpt = load_gguf(default_model_path())
     llm = LLM(max_model_len=2048)
     prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
