@@ -635,3 +635,22 @@ def test_rejection_sampling_lossless_with_one_hot_drafts(ctx: Ctx) -> None:
     # A rejected one-hot draft can never be re-emitted.
     rejected = na == 0
     assert bool((out[rejected, 0] != drafts[rejected, 0]).all()), ctx.tag
+
+
+def test_greedy_rejection_fast_path_equals_general_path(ctx: Ctx) -> None:
+    r, n, vocab = 24, 5, 12
+    logits = torch.randn(r, n + 1, vocab, generator=ctx.gen)
+    argmax = logits.argmax(-1)
+    # Drafts that follow the target's argmax for a random number of steps, then deviate.
+    drafts = argmax[:, :n].clone()
+    cut = torch.randint(0, n + 1, (r,), generator=ctx.gen)
+    for i, c in enumerate(cut.tolist()):
+        if c < n:
+            drafts[i, c] = (drafts[i, c] + 1) % vocab
+    st = SamplingTensors.from_lists(
+        [0.0] * r, [0] * r, [1.0] * r, [0.0] * r, list(range(r)), [7] * r, "cpu"
+    )
+    fast = rejection_sample(logits, drafts, None, st)
+    general = rejection_sample(logits, drafts, None, strip_hints(st))
+    assert torch.equal(fast[1], cut) and torch.equal(general[1], cut), ctx.tag
+    assert torch.equal(fast[0], general[0]), ctx.tag

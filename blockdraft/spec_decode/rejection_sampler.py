@@ -59,6 +59,16 @@ def rejection_sample(
     num_rows, n_plus_1, vocab = target_logits.shape
     n = n_plus_1 - 1
     device = target_logits.device
+    cols = torch.arange(n_plus_1, device=device)[None, :]
+    if st.all_greedy:
+        # Greedy needs only the argmax: skip the [R, N+1, V] probabilities and the hashing.
+        target_argmax = target_logits.argmax(dim=-1)  # [R, N+1]
+        matches = draft_tokens.to(torch.int64) == target_argmax[:, :n]
+        num_accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
+        padded = torch.cat([draft_tokens.to(torch.int64), target_argmax[:, n:]], dim=1)
+        out = torch.where(cols < num_accepted[:, None], padded, -1)
+        extra = target_argmax.gather(1, num_accepted[:, None])
+        return torch.where(cols == num_accepted[:, None], extra, out), num_accepted
     st_rows = st.repeat_interleave(n_plus_1)
     p = sampling_probs(target_logits.reshape(num_rows * n_plus_1, vocab), st_rows)
     p = p.view(num_rows, n_plus_1, vocab)
@@ -105,7 +115,6 @@ def rejection_sample(
     )
     extra = sample_from_probs(residual, st_extra, SALT_RESAMPLE)  # [R]
 
-    cols = torch.arange(n_plus_1, device=device)[None, :]
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_full((num_rows, 1), -1)], dim=1)
     out = torch.where(cols < num_accepted[:, None], padded_drafts, -1)
     out = torch.where(cols == num_accepted[:, None], extra[:, None], out)
