@@ -1,0 +1,75 @@
+"""Chooses between the pure-torch kernels and their Triton twins.
+
+BLOCKDRAFT_ATTENTION=torch|triton forces a backend (unset or "auto": Triton on CUDA when it
+imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter, which
+reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton
+kernels lazily, on the first call that wants them.
+
+Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
+runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
+tensors (a handful of tiny launches, free under CUDA graphs), while the vocabulary-wide work
+(filtering, residual, exponential race) stays in the sampler's torch code. A kernel taking a
+"pre-sampled recovered token per row" would even cost more: it needs the residual sampled at
+all N+1 rows instead of only at the first rejection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+from blockdraft.kernels.paged_attention import paged_attention, store_kv
+
+AttentionFn = Callable[..., torch.Tensor]
+StoreKVFn = Callable[..., None]
+
+ENV_VAR = "BLOCKDRAFT_ATTENTION"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def use_triton(device: torch.device | str | None = None) -> bool:
+    """Whether kernels for tensors on `device` should be the Triton ones."""
+    device = torch.device(device if device is not None else "cpu")
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice == "torch":
+        return False
+    if choice == "triton":
+        if not triton_available():
+            raise RuntimeError(f"{ENV_VAR}=triton but triton is not installed")
+        if device.type != "cuda" and not _interpreting():
+            raise RuntimeError(
+                f"{ENV_VAR}=triton on {device.type} needs TRITON_INTERPRET=1 (set before "
+                "triton is imported)"
+            )
+        return True
+    if choice != "auto":
+        raise ValueError(f"{ENV_VAR} must be torch, triton or auto; got {choice!r}")
+    return device.type == "cuda" and triton_available()
+
+
+def get_attention_backend(device: torch.device | str | None = None) -> AttentionFn:
+    """`fn(query, key_cache, value_cache, meta, scale, causal, window) -> out`."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_attention
+
+        return triton_attention.triton_paged_attention
+    return paged_attention
+
+
+def get_store_kv_backend(device: torch.device | str | None = None) -> StoreKVFn:
+    """`fn(key, value, key_cache, value_cache, slot_mapping)`, same switch as attention."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_kv_store
+
+        return triton_kv_store.triton_store_kv
+    return store_kv

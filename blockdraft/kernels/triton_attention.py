@@ -1,0 +1,439 @@
+"""Paged attention in Triton; same contract as `blockdraft.kernels.paged_attention`.
+
+One kernel serves every batch shape the engine produces: prefill chunks, decode rows of 1,
+verify blocks of 1+N causal rows and the DFlash drafter's non-causal blocks, mixed freely in
+one flat batch. A program owns a tile of query rows of one sequence and all query heads that
+share one kv head: packing the GQA group into the tile's rows means a single decode row still
+fills a 16-row tensor-core tile, and each key/value tile read from the paged cache serves the
+whole group. Keys are streamed through the block table with an online softmax.
+
+Long contexts with few query rows leave most of the GPU idle (num_seqs x num_kv_heads
+programs); split-K then cuts each sequence's key range into `num_splits` pieces whose partial
+(unnormalised output, running max, running sum of exponentials) are merged by a second kernel.
+
+Only meta's python ints (max_query_len, max_seq_len) and tensor shapes steer the launch, so
+the call never waits on the device and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from blockdraft.kernels.forward_context import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, BLOCK_D] f32 running output (unnormalised)
+    m_i,  # [BLOCK_M] f32 running max (log2 domain)
+    l_i,  # [BLOCK_M] f32 running sum of exponentials
+    q,  # [BLOCK_M, BLOCK_D]
+    q_pos,  # [BLOCK_M] int32 position of each row's query
+    start,  # first key position of the tile
+    hi,  # keys at or past hi are out of range
+    table,  # pointer to this sequence's block-table row
+    k_head,  # key cache pointer offset to this kv head
+    v_head,  # value cache pointer offset to this kv head
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    block_size,
+    window,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every row sees every key of the tile, all in range
+    INPUT_PRECISION: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    key_pos = start + offs_n  # [BLOCK_N]
+    key_ok = key_pos < hi
+    # Per-key page lookup: any block_size works and tiles need not align with pages.
+    if MASKED:
+        page = tl.load(table + key_pos // block_size, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + key_pos // block_size).to(tl.int64)
+    in_page = (key_pos % block_size).to(tl.int64)
+    k_ptrs = k_head + (page * stride_kb + in_page * stride_ks)[None, :] + offs_d[:, None]
+    v_ptrs = v_head + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
+    # Unmasked loads where nothing can be out of range: full tiles of a full head_dim.
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k.to(q.dtype), input_precision=INPUT_PRECISION) * qk_scale
+    if MASKED:
+        # Rows past the sequence's queries are left unmasked: they stay finite and are never
+        # stored.
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - key_pos[None, :] < window)
+            if not CAUSAL:
+                visible = visible & (key_pos[None, :] - q_pos[:, None] < window)
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(
+        p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION
+    )
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]; written when not SPLIT
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] f32; written when SPLIT
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] f32
+    query_start_loc_ptr,  # [num_seqs + 1] int
+    seq_lens_ptr,  # [num_seqs] int
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_heads,
+    tiles_per_seq,
+    num_splits,
+    block_size,
+    window,
+    qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // tiles_per_seq
+    tile = pid % tiles_per_seq
+    # Rows of the tile are (query token, head of the group) pairs, token-major.
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first_tok = tile * BLOCK_Q
+    # The grid is sized by max_query_len, so shorter sequences own tiles with nothing to do.
+    if first_tok >= q_len:
+        return
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = first_tok + offs_m // GROUP  # [BLOCK_M] query row within the sequence
+    head = kv_head * GROUP + offs_m % GROUP  # [BLOCK_M]
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = seq_len - q_len + tok  # [BLOCK_M]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    row = q_start + tok  # [BLOCK_M] flat token index
+
+    q = tl.load(
+        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    # Key range this tile can see at all; tiles wholly outside it are never loaded.
+    first_pos = seq_len - q_len + first_tok
+    last_pos = seq_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+    lo = 0
+    hi = seq_len
+    if CAUSAL:
+        hi = last_pos + 1
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        if not CAUSAL:
+            hi = tl.minimum(hi, last_pos + window)
+    if SPLIT:
+        # Whole key tiles per split, so no split starts mid-tile; trailing splits may be empty
+        # and then report (max=-1e30, sum=0), which the merge weighs as nothing.
+        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        lo = lo + split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
+
+    # Tiles where every row sees every key skip the mask: with causal prefill and long cached
+    # contexts that is nearly all of them. Full tiles are tiles [lo + i0 * BLOCK_N,
+    # lo + i1 * BLOCK_N); tiles before and after them (diagonal, window edge, ragged end)
+    # are masked.
+    full_lo = lo
+    full_hi = hi
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, first_pos + 1)
+    if USE_WINDOW:
+        full_lo = tl.maximum(full_lo, last_pos - window + 1)
+        if not CAUSAL:
+            full_hi = tl.minimum(full_hi, first_pos + window)
+    num_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    i0 = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), num_tiles)
+    i1 = tl.maximum(tl.minimum(tl.maximum(full_hi - lo, 0) // BLOCK_N, num_tiles), i0)
+
+    # The running max starts finite, so a row whose keys are all masked so far gets
+    # exp2(-inf - (-1e30)) = 0 rather than exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for i in range(0, i0):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
+        )  # fmt: skip
+    for i in range(i0, i1):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, False, INPUT_PRECISION,
+        )  # fmt: skip
+    for i in range(i1, num_tiles):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
+            stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
+            HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
+        )  # fmt: skip
+
+    store_ok = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        part = (row * num_heads + head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_ok)
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+    else:
+        # l_i == 0 only for a row that sees no key (never for a valid causal row).
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=store_ok,
+        )
+
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] f32
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] f32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    stride_ot,
+    stride_oh,
+    num_heads,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    part = (tok * num_heads + head) * num_splits + offs_s  # [BLOCK_S]
+    m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+    m_all = tl.max(m, axis=0)
+    # Rescale every split to the common max; empty splits carry sum 0 and a zero output.
+    w = tl.exp2(m - m_all)  # [BLOCK_S]
+    total = tl.sum(tl.load(part_sum_ptr + part, mask=s_ok, other=0.0) * w, axis=0)
+    o = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + tok * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_ok,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 16  # the CPU interpreter: any modest number keeps the heuristic meaningful
+
+
+def choose_num_splits(
+    max_query_len: int, max_seq_len: int, num_seqs: int, num_kv_heads: int, device: torch.device
+) -> int:
+    """Split-K pays off when the unsplit grid leaves SMs idle and each split still streams a
+    few key tiles: few query rows (decode, verify, drafter blocks) over long contexts."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    sms = _num_sms(device)
+    if max_query_len > 16 or max_seq_len < 1024 or programs >= sms:
+        return 1
+    want = -(-2 * sms // programs)  # about two waves of programs
+    return max(1, min(want, max_seq_len // 256, 64))
+
+
+def _tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
+    # Enough rows for the whole GQA group of every query of a short sequence, at least 16 for
+    # tl.dot, at most 64 (128-row tiles with fp32 accumulators spill at head_dim 128).
+    rows = triton.next_power_of_2(max(max_query_len * group, group, 16))
+    block_m = min(rows, max(64, triton.next_power_of_2(group)))
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n
+
+
+def triton_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written in place
+    num_splits: int | None = None,  # None: choose_num_splits; 1 disables split-K
+    block_m: int | None = None,  # launch overrides (tests, tuning); None picks by shape
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_seqs = meta.num_seqs
+    if num_tokens == 0 or num_seqs == 0 or meta.max_query_len == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or out.stride(2) != 1:
+        raise ValueError("key_cache, value_cache and out need a contiguous head_dim")
+
+    default_m, default_n = _tile_sizes(meta.max_query_len, group, head_dim)
+    block_m = block_m or default_m
+    block_n = block_n or default_n
+    if block_m < group:
+        raise ValueError(f"block_m {block_m} cannot hold a GQA group of {group}")
+    block_q = block_m // group
+    tiles_per_seq = -(-meta.max_query_len // block_q)
+    if num_splits is None:
+        num_splits = (
+            choose_num_splits(
+                meta.max_query_len, meta.max_seq_len, num_seqs, num_kv_heads, query.device
+            )
+            if tiles_per_seq == 1
+            else 1
+        )
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=query.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_out = part_max = part_sum = out  # unused by the unsplit kernel
+
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    # fp32 inputs mean a test or a debugging run asking for exact maths, not TF32.
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        meta.block_tables.stride(0),
+        num_heads,
+        tiles_per_seq,
+        num_splits,
+        meta.block_size,
+        window or 0,
+        scale * _LOG2E,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        GROUP=group,
+        CAUSAL=causal,
+        USE_WINDOW=window is not None,
+        SPLIT=split,
+        INPUT_PRECISION=precision,
+        num_warps=num_warps or (4 if block_m * block_d <= 64 * 128 else 8),
+        num_stages=num_stages or 2,
+    )
+    if split:
+        _paged_attention_reduce_kernel[(num_tokens, num_heads)](
+            part_out,
+            part_max,
+            part_sum,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_warps=1 if block_d <= 64 else 2,
+        )
+    return out

@@ -1,0 +1,523 @@
+"""Triton kernels against their pure-torch twins, on fresh random float32 inputs.
+
+Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels
+on the GPU. Shapes stay small: the interpreter costs about half a millisecond per program.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import dataclasses  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.kernels import select  # noqa: E402
+from blockdraft.kernels.dflash_inputs import (  # noqa: E402
+    DFlashInputs,
+    prepare_dflash_inputs,
+    prepare_dflash_inputs_torch,
+)
+from blockdraft.kernels.forward_context import (  # noqa: E402
+    PAD_SLOT_ID,
+    AttentionMetadata,
+    build_attention_metadata,
+    slots_for_positions,
+)
+from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
+from blockdraft.kernels.triton_attention import (  # noqa: E402
+    choose_num_splits,
+    triton_paged_attention,
+)
+from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
+from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
+
+from checkpoints import make_dflash_drafter, make_qwen3_checkpoint  # noqa: E402
+
+INTERPRETED = select._interpreting()
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+ATOL = 2e-5 if INTERPRETED else 1e-4  # fp32 tensor-core dots on the GPU round differently
+
+
+def randn(rng: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=rng).to(DEVICE)
+
+
+# --- paged attention -----------------------------------------------------------------------
+
+
+def paged_batch(
+    rng: torch.Generator,
+    starts: list[int],
+    query_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    spare_blocks: int = 3,
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
+    """Metadata over scattered pages (a random permutation of the pool) and random caches;
+    every slot holds data, so a wrong page or a key past seq_len shows up in the output."""
+    needed = [-(-(s + n) // block_size) for s, n in zip(starts, query_lens, strict=True)]
+    num_blocks = sum(needed) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=rng).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used : used + n])
+        used += n
+    meta = build_attention_metadata(tables, starts, query_lens, block_size, DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return meta, randn(rng, *shape), randn(rng, *shape)
+
+
+def check_attention(
+    rng: torch.Generator,
+    starts: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    window: int | None,
+    **kwargs: object,
+) -> None:
+    meta, key_cache, value_cache = paged_batch(
+        rng, starts, query_lens, block_size, num_kv_heads, head_dim
+    )
+    num_tokens = sum(query_lens)
+    # A strided query, as sliced out of a fused qkv projection.
+    qkv = randn(rng, num_tokens, num_heads + 1, head_dim)
+    query = qkv[:, :num_heads]
+    scale = head_dim**-0.5
+    expected = paged_attention(query, key_cache, value_cache, meta, scale, causal, window)
+    out = torch.full((num_tokens, num_heads, head_dim), float("nan"), device=DEVICE)
+    got = triton_paged_attention(
+        query, key_cache, value_cache, meta, scale, causal, window, out=out, **kwargs
+    )
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+
+
+# Sequence i computes query_lens[i] rows after starts[i] cached keys: a prefill chunk, a
+# decode row, a verify block of 1+3, a sequence with no rows this step, a fresh prefill.
+MIXED = dict(starts=[13, 9, 20, 5, 0], query_lens=[7, 1, 4, 0, 6])
+
+MODES = {
+    "causal": dict(causal=True, window=None),
+    "drafter-block": dict(causal=False, window=None),
+    "sliding-causal": dict(causal=True, window=5),
+    "sliding-noncausal": dict(causal=False, window=4),
+}
+
+# (head_dim, block_size, num_heads, num_kv_heads): GQA groups 1, 2 and 4, a head_dim that is
+# no power of two (padded to 32 inside the kernel).
+SHAPES = [(16, 4, 4, 4), (24, 16, 4, 2), (64, 4, 8, 2)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "d{}-bs{}-h{}-kv{}".format(*s))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_attention_mixed_batch(rng, shape, mode: str) -> None:
+    head_dim, block_size, num_heads, num_kv_heads = shape
+    check_attention(
+        rng,
+        **MIXED,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        **MODES[mode],
+    )
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 20), (False, 20), (False, None)])
+def test_attention_multiple_query_tiles_and_key_tiles(
+    rng, causal: bool, window: int | None
+) -> None:
+    # 16-row tiles hold 8 tokens of a GQA-2 group: the 19-row prefill spans three tiles, and
+    # 16-key tiles straddle 4-slot pages. Long contexts give tiles that every row sees whole
+    # (the unmasked path) between masked ones at the window edge and the diagonal.
+    check_attention(
+        rng,
+        starts=[51, 3, 60],
+        query_lens=[19, 2, 1],
+        block_size=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        causal=causal,
+        window=window,
+        block_m=16,
+        block_n=16,
+    )
+
+
+def test_attention_group_not_power_of_two(rng) -> None:
+    check_attention(
+        rng,
+        starts=[6, 11],
+        query_lens=[5, 1],
+        block_size=4,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        causal=True,
+        window=7,
+    )
+
+
+@pytest.mark.parametrize("num_splits", [None, 1])
+def test_attention_single_decode_row(rng, num_splits: int | None) -> None:
+    check_attention(
+        rng,
+        starts=[37],
+        query_lens=[1],
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=24,
+        causal=True,
+        window=None,
+        num_splits=num_splits,
+    )
+
+
+def test_attention_empty_batch() -> None:
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        query_start_loc=torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        seq_lens=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        block_tables=torch.zeros(0, 1, dtype=torch.int64, device=DEVICE),
+        max_query_len=0,
+        max_seq_len=0,
+        block_size=4,
+    )
+    cache = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    out = triton_paged_attention(torch.zeros(0, 2, 16, device=DEVICE), cache, cache, meta, 0.25)
+    assert out.shape == (0, 2, 16)
+
+
+@pytest.mark.parametrize("mode", ["causal", "drafter-block", "sliding-noncausal"])
+def test_attention_split_k_forced(rng, mode: str) -> None:
+    # Five splits of 16-key tiles over contexts of 3 to 62 keys: some splits get no keys at
+    # all (short sequences, the window), which the merge must weigh as nothing.
+    check_attention(
+        rng,
+        starts=[58, 2, 30],
+        query_lens=[4, 1, 3],
+        block_size=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_splits=5,
+        block_n=16,
+        **MODES[mode],
+    )
+
+
+def test_attention_split_k_chosen_for_long_decode(rng) -> None:
+    starts, query_lens = [1100, 700], [1, 4]
+    num_splits = choose_num_splits(max(query_lens), 1104, 2, 2, DEVICE)
+    assert num_splits > 1
+    check_attention(
+        rng,
+        starts=starts,
+        query_lens=query_lens,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        causal=True,
+        window=None,
+        block_n=128,  # fewer, larger key tiles: the interpreter pays per operation
+    )
+
+
+def test_choose_num_splits() -> None:
+    device = torch.device("cpu")  # the heuristic's stand-in SM count is 16
+    assert choose_num_splits(512, 4096, 1, 8, device) == 1  # prefill: enough query tiles
+    assert choose_num_splits(1, 300, 1, 8, device) == 1  # short context: nothing to split
+    assert choose_num_splits(1, 8192, 1, 2, device) == 16  # two waves over 16 SMs
+    assert choose_num_splits(16, 8192, 64, 8, device) == 1  # the grid already fills the GPU
+    assert choose_num_splits(1, 8192, 2, 8, device) == 1  # 16 programs already fill 16 SMs
+
+
+# --- KV store ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim", [(4, 3, 24), (16, 2, 64), (4, 1, 16)])
+def test_store_kv(rng, block_size: int, num_kv_heads: int, head_dim: int) -> None:
+    num_blocks, num_tokens = 5, 11
+    # The pool's last block is reserved (the torch twin sends PAD rows there).
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=rng)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=rng)[:3]] = PAD_SLOT_ID
+    slots = slots.to(DEVICE)
+    # Strided key/value, as slices of a fused qkv output.
+    kv = randn(rng, num_tokens, 2 * num_kv_heads + 1, head_dim)
+    key, value = kv[:, :num_kv_heads], kv[:, num_kv_heads : 2 * num_kv_heads]
+    key_cache = randn(rng, num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = randn(rng, num_blocks, block_size, num_kv_heads, head_dim)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    store_kv(key, value, expected_k, expected_v, slots)
+    triton_store_kv(key, value, key_cache, value_cache, slots)
+    # Every readable slot matches; the pool's last slot is reserved for PAD rows, which the
+    # torch twin writes there and the kernel skips.
+    assert_same_slots(key_cache, expected_k)
+    assert_same_slots(value_cache, expected_v)
+    # PAD rows wrote nothing.
+    assert torch.equal(key_cache.flatten(0, 1)[-1], before_k.flatten(0, 1)[-1])
+    assert torch.equal(value_cache.flatten(0, 1)[-1], before_v.flatten(0, 1)[-1])
+
+
+def assert_same_slots(cache: torch.Tensor, expected: torch.Tensor) -> None:
+    # cache: [num_blocks, block_size, num_kv_heads, head_dim]; all slots but the last.
+    assert torch.equal(cache.flatten(0, 1)[:-1], expected.flatten(0, 1)[:-1])
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1])
+def test_store_kv_empty_and_single(rng, num_tokens: int) -> None:
+    key, value = randn(rng, num_tokens, 2, 16), randn(rng, num_tokens, 2, 16)
+    key_cache, value_cache = randn(rng, 3, 4, 2, 16), randn(rng, 3, 4, 2, 16)
+    slots = torch.tensor([6], device=DEVICE)[:num_tokens]
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    store_kv(key, value, expected_k, expected_v, slots)
+    triton_store_kv(key, value, key_cache, value_cache, slots)
+    assert_same_slots(key_cache, expected_k)
+    assert_same_slots(value_cache, expected_v)
+
+
+# --- RMSNorm -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 5])
+@pytest.mark.parametrize("hidden", [48, 100])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(rng, num_rows: int, hidden: int, with_residual: bool) -> None:
+    x = randn(rng, num_rows, hidden)
+    weight = randn(rng, hidden)
+    residual = randn(rng, num_rows, hidden) if with_residual else None
+    expected = rms_norm_torch(x, weight, 1e-6, residual)
+    out = torch.full_like(x, float("nan"))
+    # The new residual may overwrite the old one in place.
+    residual_out = residual.clone() if residual is not None else None
+    got = triton_rms_norm(
+        x,
+        weight,
+        1e-6,
+        residual_out,
+        out=out,
+        residual_out=residual_out,
+    )
+    if with_residual:
+        torch.testing.assert_close(got[0], expected[0], atol=ATOL, rtol=1e-5)
+        torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+        assert got[0].data_ptr() == out.data_ptr()
+    else:
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)
+
+
+def test_rms_norm_matches_layer(rng) -> None:
+    from blockdraft.layers.norm import RMSNorm
+
+    layer = RMSNorm(40, eps=1e-5).to(DEVICE)
+    layer.weight.data = randn(rng, 40)
+    x = randn(rng, 2, 3, 40)
+    torch.testing.assert_close(rms_norm_torch(x, layer.weight, 1e-5), layer(x), atol=0, rtol=0)
+    torch.testing.assert_close(triton_rms_norm(x, layer.weight, 1e-5), layer(x))
+
+
+# --- DFlash drafter inputs -----------------------------------------------------------------
+
+
+def dflash_case(
+    rng: torch.Generator, num_reqs: int, num_spec: int, block_size: int
+) -> tuple[dict, list[list[int]]]:
+    """Requests laid out as a verify/prefill batch: each has its committed rows followed by
+    a few rejected ones; the block tables cover the block [anchor, MASK x N]."""
+    num_ctx = torch.randint(0, 6, (num_reqs,), generator=rng)
+    num_ctx[:1] = 1  # a decode-like request with one committed row
+    rejected = torch.randint(0, 3, (num_reqs,), generator=rng)
+    rows = num_ctx + rejected
+    starts = torch.cumsum(rows, 0) - rows
+    anchor_positions = num_ctx + torch.randint(0, 20, (num_reqs,), generator=rng)
+    tables = [
+        torch.randperm(200, generator=rng)[: (int(p) + num_spec) // block_size + 1].tolist()
+        for p in anchor_positions
+    ]
+    args = dict(
+        anchor_tokens=torch.randint(0, 50, (num_reqs,), generator=rng).to(DEVICE),
+        anchor_positions=anchor_positions.to(DEVICE),
+        ctx_row_start=starts.to(DEVICE),
+        num_ctx=num_ctx.to(DEVICE),
+        block_size=block_size,
+        num_spec=num_spec,
+        mask_token_id=99,
+    )
+    return args, tables
+
+
+def padded_tables(tables: list[list[int]], num_rows: int) -> torch.Tensor:
+    width = max([len(t) for t in tables] + [1])
+    rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (num_rows - len(tables))
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+
+
+def poisoned(num_reqs_padded: int, num_spec: int, num_ctx_rows: int) -> DFlashInputs:
+    out = DFlashInputs.empty(num_reqs_padded, num_spec, num_ctx_rows, DEVICE)
+    for f in dataclasses.fields(out):
+        getattr(out, f.name).fill_(-7777)
+    return out
+
+
+@pytest.mark.parametrize(
+    "num_reqs,num_reqs_padded,num_spec,block_size",
+    [(3, 5, 4, 4), (1, 1, 1, 16), (0, 2, 3, 4), (21, 32, 7, 4)],
+)
+def test_prepare_dflash_inputs(
+    rng, num_reqs: int, num_reqs_padded: int, num_spec: int, block_size: int
+) -> None:
+    args, tables = dflash_case(rng, num_reqs, num_spec, block_size)
+    num_ctx_rows = int((args["ctx_row_start"][-1:] + args["num_ctx"][-1:]).sum()) + 300
+    block_tables = padded_tables(tables, num_reqs_padded)
+    sizes = dict(num_reqs_padded=num_reqs_padded, num_ctx_rows=num_ctx_rows)
+    expected = prepare_dflash_inputs_torch(**args, block_tables=block_tables, **sizes)
+    got = prepare_dflash_inputs(
+        **args,
+        block_tables=block_tables,
+        **sizes,
+        out=poisoned(num_reqs_padded, num_spec, num_ctx_rows),
+    )
+    for f in dataclasses.fields(expected):
+        assert torch.equal(getattr(got, f.name), getattr(expected, f.name)), f.name
+
+
+def test_prepare_dflash_inputs_spec(rng) -> None:
+    """The twin agrees with the engine's host-side construction (DFlashProposer.propose and
+    write_context) for the real requests, and pads with inert rows."""
+    num_reqs, num_reqs_padded, n, block_size = 4, 6, 3, 4
+    q = n + 1
+    args, tables = dflash_case(rng, num_reqs, n, block_size)
+    num_ctx_rows = 40
+    got = prepare_dflash_inputs_torch(
+        **args,
+        block_tables=padded_tables(tables, num_reqs_padded),
+        num_reqs_padded=num_reqs_padded,
+        num_ctx_rows=num_ctx_rows,
+    )
+    anchors = args["anchor_tokens"].tolist()
+    positions = args["anchor_positions"].tolist()
+    meta = build_attention_metadata(tables, positions, [q] * num_reqs, block_size, DEVICE)
+    real = num_reqs * q
+    assert got.input_ids[:real].tolist() == [t for a in anchors for t in [a] + [99] * n]
+    assert got.positions[:real].tolist() == [p + i for p in positions for i in range(q)]
+    assert torch.equal(got.slot_mapping[:real], meta.slot_mapping)
+    assert torch.equal(got.query_start_loc[: num_reqs + 1], meta.query_start_loc)
+    assert torch.equal(got.seq_lens[:num_reqs], meta.seq_lens)
+    assert got.sample_indices.view(num_reqs_padded, n)[:num_reqs].tolist() == [
+        [r * q + 1 + i for i in range(n)] for r in range(num_reqs)
+    ]
+    # Padded requests: inert dummy blocks.
+    assert got.input_ids[real:].eq(99).all()
+    assert got.slot_mapping[real:].eq(PAD_SLOT_ID).all()
+    assert got.seq_lens[num_reqs:].eq(q).all()
+    assert got.query_start_loc.tolist() == [r * q for r in range(num_reqs_padded + 1)]
+    # Context: committed rows get the positions right before their anchor and those slots.
+    expected_pos = [0] * num_ctx_rows
+    expected_slot = [PAD_SLOT_ID] * num_ctx_rows
+    for r in range(num_reqs):
+        start, count = int(args["ctx_row_start"][r]), int(args["num_ctx"][r])
+        ctx = range(positions[r] - count, positions[r])
+        expected_pos[start : start + count] = list(ctx)
+        expected_slot[start : start + count] = slots_for_positions(tables[r], ctx, block_size)
+    assert got.context_positions.tolist() == expected_pos
+    assert got.context_slot_mapping.tolist() == expected_slot
+
+
+# --- backend selection ---------------------------------------------------------------------
+
+
+def test_backend_selection(monkeypatch) -> None:
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    assert select.get_attention_backend(DEVICE) is paged_attention
+    assert select.get_store_kv_backend(DEVICE) is store_kv
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    assert select.get_attention_backend(DEVICE) is triton_paged_attention
+    assert select.get_store_kv_backend(DEVICE) is triton_store_kv
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
+    expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
+    assert select.get_attention_backend(DEVICE) is expected
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "flash")
+    with pytest.raises(ValueError):
+        select.get_attention_backend(DEVICE)
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        select.get_attention_backend("cpu")
+
+
+# --- engine --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("kernels-engine")
+    target = make_qwen3_checkpoint(root / "target", num_layers=2)
+    # One sliding causal layer, one non-causal layer: both drafter attention modes.
+    drafter = make_dflash_drafter(
+        root / "drafter",
+        target,
+        target_layer_ids=[0, 1],
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return target, drafter
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+def test_engine_greedy_same_with_triton_attention(
+    tiny_pair, rng, monkeypatch, speculative: bool
+) -> None:
+    target, drafter = tiny_pair
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 13)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # A small pool: the interpreter copies every tensor argument on each launch. Chunked
+    # prefill puts prefill chunks and decode/verify rows in the same batch.
+    engine_args: dict = dict(
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=48,
+        max_num_batched_tokens=8,
+        device=str(DEVICE),
+    )
+    if speculative:
+        engine_args["speculative_config"] = {
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": 3,
+        }
+
+    def generate(backend: str) -> list[list[int]]:
+        monkeypatch.setenv("BLOCKDRAFT_ATTENTION", backend)
+        llm = LLM(str(target), dtype="float32", **engine_args)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = generate("torch")
+    calls = []
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return triton_paged_attention(*args, **kwargs)
+
+    monkeypatch.setattr("blockdraft.kernels.triton_attention.triton_paged_attention", counting)
+    got = generate("triton")
+    assert calls, "the engine never called the Triton attention backend"
+    assert got == expected
