@@ -19,9 +19,11 @@ import json
 import platform
 import socket
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,9 +32,11 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from blockdraft.config import EngineConfig
-from blockdraft.engine.llm_engine import LLMEngine
-from blockdraft.server import build_app
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table  # noqa: E402
+from blockdraft.config import EngineConfig  # noqa: E402
+from blockdraft.engine.llm_engine import LLMEngine  # noqa: E402
+from blockdraft.server import build_app  # noqa: E402
 
 MODEL_NAME = "bench"
 PROMPTS = [
@@ -174,16 +178,6 @@ def run_server_bench(args: argparse.Namespace, draft: str | None) -> dict[str, A
                   f"{level['requests_per_s']:.2f} req/s, {level['output_tok_per_s']:.1f} tok/s")
         spec_stats = spec_metrics(url) if draft else {}
     return {"draft": draft, "levels": levels, "spec_decode": spec_stats}
-
-
-def print_table(title: str, header: list[str], rows: list[list[Any]]) -> None:
-    cells = [header] + [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    print(f"\n{title}")
-    for i, row in enumerate(cells):
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 def main() -> None:
