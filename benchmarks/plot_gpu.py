@@ -1,0 +1,38 @@
+"""Plot gpu_bench.py's JSON: throughput against concurrency, AR vs DFlash, with the roofline.
+
+    python benchmarks/plot_gpu.py gpu_bench.json docs/gpu_throughput.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(src: str, dst: str) -> None:
+    r = json.loads(open(src).read())
+    conc = r["concurrency_tok_s"]
+    levels = sorted(int(c) for c in conc["ar"])
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    ax.plot(levels, [conc["ar"][str(c)] for c in levels], "o-", label="blockdraft AR")
+    ax.plot(levels, [conc["dflash"][str(c)] for c in levels], "o-",
+            label=f"blockdraft DFlash (τ={r['mean_acceptance_length']:.1f}, synthetic)")
+    ax.axhline(r["roofline_tok_s"], color="gray", ls="--", label="batch-1 roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"Qwen3-8B shapes, bf16, {r['hardware']} ({r['date']})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(dst)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
