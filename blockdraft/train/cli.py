@@ -1,0 +1,112 @@
+"""`blockdraft train-draft`: its arguments and command (registered by blockdraft.cli)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train-draft",
+        help="train a DFlash drafter for a target",
+        description="Regenerates the responses of --data with the target (unless it already is "
+        "a regenerated shard), trains a DFlash drafter and saves it to --out in z-lab format.",
+    )
+    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M)")
+    p.add_argument(
+        "--data", required=True, help="prompts (.jsonl/.json/.txt) or regenerated .jsonl"
+    )
+    p.add_argument("--out", required=True, help="output directory")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--num-layers", type=int, default=1)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--mask-token-id", type=int, default=None)
+    g.add_argument("--target-layer-ids", type=_int_list, default=None, help="e.g. 2,15,27")
+    g.add_argument("--num-target-features", type=int, default=None)
+    g.add_argument("--init-drafter", default=None, help="start from this drafter checkpoint")
+    g = p.add_argument_group("regeneration")
+    g.add_argument("--num-prompts", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=512, help="response length cap")
+    g.add_argument("--max-prompt-tokens", type=int, default=1024)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--regen-batch-size", type=int, default=1024)
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs)")
+    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=int, default=1)
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup-ratio", type=float, default=0.04)
+    g.add_argument("--anchors", type=int, default=512, help="blocks per sequence")
+    g.add_argument("--loss-gamma", type=float, default=None)
+    g.add_argument("--max-seq-len", type=int, default=2048)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto")
+    g.add_argument("--attention", default="auto", choices=["auto", "dense", "flex"])
+    g.add_argument("--no-compile", action="store_true", help="eager FlexAttention")
+    g.add_argument("--save-every", type=int, default=0)
+    g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    g.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable)")
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-holdout", type=int, default=0, help="regenerated samples held out")
+    g.add_argument("--eval-prompts", default=None, help="prompt file for evaluation")
+    g.add_argument("--eval-num-prompts", type=int, default=64)
+    g.add_argument("--eval-max-tokens", type=int, default=256)
+    g.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_train_draft)
+
+
+def cmd_train_draft(args: argparse.Namespace) -> None:
+    from blockdraft.train.trainer import TrainConfig, train_drafter
+
+    cfg = TrainConfig(
+        out_dir=args.out,
+        data=args.data,
+        model=args.model,
+        num_layers=args.num_layers,
+        block_size=args.block_size,
+        mask_token_id=args.mask_token_id,
+        target_layer_ids=args.target_layer_ids,
+        num_target_features=args.num_target_features,
+        init_drafter=args.init_drafter,
+        num_prompts=args.num_prompts,
+        regen_max_tokens=args.max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        regen_temperature=args.temperature,
+        regen_batch_size=args.regen_batch_size,
+        steps=args.steps,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        warmup_ratio=args.warmup_ratio,
+        anchors=args.anchors,
+        loss_gamma=args.loss_gamma,
+        max_seq_len=args.max_seq_len,
+        seed=args.seed,
+        device=args.device,
+        attention=args.attention,
+        compile=False if args.no_compile else None,
+        save_every=args.save_every,
+        resume=args.resume,
+        stop_after=args.stop_after,
+        eval_holdout=args.eval_holdout,
+        eval_prompts=args.eval_prompts,
+        eval_num_prompts=args.eval_num_prompts,
+        eval_max_tokens=args.eval_max_tokens,
+        eval_every=args.eval_every,
+        use_tqdm=not args.quiet,
+    )
+    result = train_drafter(cfg)
+    last = result.history[-1] if result.history else None
+    line = f"[drafter at {result.out_dir}, step {result.step}"
+    if last is not None:
+        line += f", loss {last.loss:.3f}, estimated acceptance length {last.acceptance_length:.2f}"
+    if result.eval_acceptance_length is not None:
+        line += f", engine acceptance length {result.eval_acceptance_length:.2f}"
+    print(line + "]")
