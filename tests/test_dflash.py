@@ -229,3 +229,66 @@ def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path) -> None:
     assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
     expected = sum(rate**k for k in range(n + 1))  # E[accepted + 1] for a geometric run
     assert abs(llm.engine.spec_stats.mean_acceptance_length - expected) < 0.35
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.update(hidden_size=32), "hidden_size 32 does not match"),
+        (lambda c: c.update(vocab_size=99), "vocab_size 99 does not match"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 9]), r"\[9\] are out of range"),
+        (lambda c: c["dflash_config"].update(sample_from_anchor=True), "DSpark"),
+        (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=None), "sliding_window"),
+    ],
+)
+def test_bad_drafters_are_rejected_at_load(random_pair, tmp_path: Path, edit, message) -> None:
+    import json
+    import shutil
+
+    target, drafter = random_pair
+    bad = tmp_path / "bad"
+    shutil.copytree(drafter, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    edit(cfg)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(target), speculative_config=spec(bad, None))
+
+
+def test_too_many_speculative_tokens(random_pair) -> None:
+    target, drafter = random_pair
+    with pytest.raises(ValueError, match="exceeds the drafter's block_size - 1"):
+        LLM(str(target), speculative_config=spec(drafter, 16))
+    with pytest.raises(ValueError, match="speculative method"):
+        LLM(str(target), speculative_config={"method": "eagle", "model": str(drafter)})
+
+
+def test_drafter_with_its_own_embedding_and_head(random_pair, tmp_path: Path, rng) -> None:
+    """A drafter that ships embed_tokens / lm_head uses them instead of the target's; with copies
+    of the target's own tensors the drafts, hence everything, stay the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target, drafter = random_pair
+    own = tmp_path / "own"
+    shutil.copytree(drafter, own)
+    tensors = load_file(own / "model.safetensors")
+    target_tensors = load_file(target / "model.safetensors")
+    tensors["embed_tokens.weight"] = target_tensors["model.embed_tokens.weight"].clone()
+    tensors["lm_head.weight"] = target_tensors["lm_head.weight"].clone()
+    save_file(tensors, own / "model.safetensors")
+    prompt = torch.randint(4, 128, (12,), generator=rng).tolist()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    shared = LLM(str(target), speculative_config=spec(drafter, 7))
+    separate = LLM(str(target), speculative_config=spec(own, 7))
+    own_drafter = separate.engine.proposer.drafter
+    assert own_drafter.embed_tokens is not separate.engine.model.model.embed_tokens
+    assert own_drafter.lm_head is not separate.engine.model.lm_head
+    a = shared.generate([prompt], params, use_tqdm=False)[0]
+    b = separate.generate([prompt], params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.spec_accept_lengths == b.spec_accept_lengths
