@@ -138,6 +138,15 @@ ZLAB_CASES = {
     "last-layer-feature": dict(target_layer_ids=[1, 5]),
     # long, varying accepted runs: the agreeing drafter with some deliberately wrong drafts
     "varying-acceptance": dict(agree_with_target=True, draft_error_rate=0.15),
+    # optional scalings, and causality forced on full-attention layers
+    "scaled-and-causal": dict(),
+}
+CONFIG_PATCHES = {
+    "scaled-and-causal": {
+        "is_causal": True,
+        "dflash_config": {"input_embedding_scale": 1.7, "output_multiplier": 0.6,
+                          "final_logit_softcapping": 3.0},
+    },
 }
 
 
@@ -151,6 +160,14 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     drafter = make_dflash_drafter(
         tmp_path / "drafter", target, block_size=8, seed=seed, **ZLAB_CASES[kind]
     )
+    if kind in CONFIG_PATCHES:
+        import json
+
+        cfg = json.loads((drafter / "config.json").read_text())
+        patch = CONFIG_PATCHES[kind]
+        cfg["dflash_config"].update(patch["dflash_config"])
+        cfg.update({k: v for k, v in patch.items() if k != "dflash_config"})
+        (drafter / "config.json").write_text(json.dumps(cfg))
     prompt = torch.randint(4, 64, (21,), generator=rng).tolist()
     # Drafter logits of the first step, computed by z-lab's DFlashDraftModel.
     ref_logits = zlab_first_draft_logits(target, drafter, prompt)
