@@ -116,6 +116,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_bench(args: argparse.Namespace) -> None:
+    import json
+
+    from blockdraft import LLM
+    from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench, save_plot
+
+    if not args.draft:
+        raise ValueError("bench compares DFlash with autoregressive decoding: give --draft")
+    sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
+    kwargs = _engine_kwargs(args)
+    dflash = LLM(**kwargs)
+    ar = LLM(**{**kwargs, "speculative_config": None})
+    results = run_bench(ar, dflash, sets, args.temperatures, args.max_tokens, args.seed)
+    print(format_table(results))
+    with open(args.json, "w") as f:
+        json.dump(results_json(results), f, indent=2)
+    plotted = save_plot(results, args.plot)
+    print(f"[results in {args.json}" + (f", plot in {args.plot}]" if plotted else
+                                         "; pip install matplotlib for the plot]"))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="blockdraft")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +159,15 @@ def main(argv: list[str] | None = None) -> None:
                        help="queued requests beyond max-num-seqs before 503")
     serve.add_argument("--served-model-name", default=None)
     serve.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="acceptance and speed of DFlash on prompt sets")
+    _add_engine_args(bench)
+    bench.add_argument("--sets", nargs="+", default=["gsm8k", "aime2025", "humaneval", "mtbench"])
+    bench.add_argument("--num-prompts", type=int, default=20, help="per set")
+    bench.add_argument("--max-tokens", type=int, default=256)
+    bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    bench.add_argument("--json", default="bench.json")
+    bench.add_argument("--plot", default="bench.png")
+    bench.set_defaults(func=cmd_bench)
     from blockdraft.train.cli import add_train_draft_parser
 
     add_train_draft_parser(sub)

