@@ -309,3 +309,25 @@ def test_drafter_with_its_own_embedding_and_head(random_pair, tmp_path: Path, rn
     b = separate.generate([prompt], params, use_tqdm=False)[0]
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.spec_accept_lengths == b.spec_accept_lengths
+
+
+def test_requests_run_to_max_model_len_in_a_minimal_pool(agreeing_pair, rng) -> None:
+    """Verify rows and the drafter's block run past the last token: a pool sized for exactly one
+    request at max_model_len (max_num_seqs=1) must still hold it to the end, never preempting
+    itself in a loop."""
+    target, drafter = agreeing_pair
+    engine_args = dict(block_size=4, max_model_len=40, max_num_seqs=1)
+    llm = LLM(str(target), speculative_config=spec(drafter, 15), **engine_args)
+    engine = llm.engine
+    prompt = prompts_for(target, rng)[2]
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    engine.add_request("r", prompt, params)
+    finished = []
+    for _ in range(200):  # a bounded loop: a self-preemption cycle fails instead of hanging
+        finished += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished_requests():
+            break
+    assert engine.scheduler.num_preemptions == 0 and len(finished) == 1
+    ar = LLM(str(target), **engine_args).generate([prompt], params, use_tqdm=False)[0]
+    assert finished[0].outputs[0].token_ids == ar.outputs[0].token_ids
+    assert len(prompt) + len(ar.outputs[0].token_ids) == 40

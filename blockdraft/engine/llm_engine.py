@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,12 +27,13 @@ from blockdraft.engine.sequence import Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.kernels.forward_context import slots_for_positions
 from blockdraft.models.decoder import DecoderLM
-from blockdraft.models.dflash import load_drafter
+from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
     read_checkpoint,
+    read_json,
 )
 from blockdraft.models.model_config import TransformerConfig
 from blockdraft.outputs import RequestOutput
@@ -59,9 +61,20 @@ class LLMEngine:
             target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
         spec = config.speculative_config
-        lookahead_guess = 64 if spec is not None else 0  # RoPE margin before N is known
+        draft_cfg, self.num_spec = None, 0
+        if spec is not None:  # a drafter that does not fit fails here, before any weights load
+            draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
+            draft_cfg.check_fits(target_cfg)
+            self.num_spec = spec.num_speculative_tokens or draft_cfg.block_size - 1
+            if self.num_spec > draft_cfg.block_size - 1:
+                raise ValueError(
+                    f"num_speculative_tokens {self.num_spec} exceeds the drafter's "
+                    f"block_size - 1 ({draft_cfg.block_size - 1})"
+                )
+        lookahead = self.num_spec + 1 if self.num_spec else 0
+        # RoPE tables cover the block the drafter writes past the last committed token.
         max_positions = max(
-            target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead_guess
+            target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead
         )
         target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
 
@@ -83,34 +96,23 @@ class LLMEngine:
         self.model.eval().requires_grad_(False)
 
         self.proposer: DFlashProposer | None = None
-        self.num_spec = 0
         attention_layers = list(self.model.attention_layers)
         if spec is not None:
             drafter = load_drafter(
                 spec.model, self.model, max_positions, dtype, self.device,
-                dummy=config.load_format == "dummy",
+                dummy=config.load_format == "dummy", cfg=draft_cfg,
             )
-            n = spec.num_speculative_tokens or drafter.cfg.block_size - 1
-            if n > drafter.cfg.block_size - 1:
-                raise ValueError(
-                    f"num_speculative_tokens {n} exceeds the drafter's block_size - 1 "
-                    f"({drafter.cfg.block_size - 1})"
-                )
-            if n + 1 > lookahead_guess:
-                raise ValueError(f"num_speculative_tokens {n} is larger than supported (63)")
-            self.num_spec = n
             self.model.capture_layer_ids = drafter.cfg.target_layer_ids
             attention_layers += drafter.attention_layers
             self.proposer = DFlashProposer(
                 drafter,
-                n,
+                self.num_spec,
                 config.block_size,
                 lambda ids, starts, tables: run_forward(
                     drafter, self.drafter_graphs, ids, starts, tables, config.block_size,
                     self.device,
                 ),
             )
-        lookahead = self.num_spec + 1 if self.num_spec else 0
 
         num_blocks = self._num_kv_blocks(attention_layers, dtype, lookahead)
         allocate_kv_cache(attention_layers, num_blocks, config.block_size, dtype, self.device)
@@ -141,7 +143,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         cfg = self.config
         sizes = default_batch_sizes(cfg.max_num_seqs)
-        max_blocks = -(-(self.max_model_len + lookahead) // cfg.block_size)
+        max_blocks = self._max_blocks_per_seq(lookahead)
         pool = None
         query_lens = [1] + ([self.num_spec + 1] if self.num_spec else [])
         for q in query_lens:
@@ -161,9 +163,14 @@ class LLMEngine:
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
 
+    def _max_blocks_per_seq(self, lookahead: int) -> int:
+        # A verify at the length limit holds N draft rows past the last token, and the drafter
+        # writes its block (lookahead rows) past the new anchor: 2 * lookahead covers both.
+        return -(-(self.max_model_len + 2 * lookahead) // self.config.block_size)
+
     def _num_kv_blocks(self, layers: list, dtype: torch.dtype, lookahead: int) -> int:
         cfg = self.config
-        per_seq = -(-(self.max_model_len + lookahead) // cfg.block_size)
+        per_seq = self._max_blocks_per_seq(lookahead)
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:

@@ -181,8 +181,10 @@ def load_drafter(
     dtype: torch.dtype,
     device: torch.device,
     dummy: bool = False,
+    cfg: DFlashConfig | None = None,
 ) -> DFlashDrafter:
-    """Builds the drafter for `target` from a z-lab checkpoint directory (or random weights)."""
+    """Builds the drafter for `target` from a z-lab checkpoint directory (or random weights);
+    `cfg` is the directory's config when the caller has already read it."""
     from blockdraft.models.loader import (
         init_dummy_weights,
         iter_checkpoint_tensors,
@@ -191,7 +193,8 @@ def load_drafter(
         read_json,
     )
 
-    cfg = DFlashConfig.from_hf(read_json(Path(path) / "config.json"))
+    if cfg is None:
+        cfg = DFlashConfig.from_hf(read_json(Path(path) / "config.json"))
     cfg.check_fits(target.cfg)
     with torch.device(device):
         drafter = DFlashDrafter(cfg, target, max_positions).to(dtype)
