@@ -57,7 +57,7 @@ def assert_same_tokens(ar, sd) -> None:
 SETUPS = {
     "plain": {},
     "chunked-prefill": dict(max_num_batched_tokens=20),
-    "preemption": dict(block_size=4, num_kv_blocks=30, max_model_len=96),
+    "preemption": dict(block_size=4, num_kv_blocks=30, max_model_len=80),
     "prefix-cache": dict(block_size=4, enable_prefix_caching=True),
 }
 
