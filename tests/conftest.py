@@ -1,7 +1,13 @@
 import os
 
-import pytest
-import torch
+# Triton reads TRITON_INTERPRET when it is first imported, and other modules (torch's FlexAttention
+# and inductor) may import it before tests/test_kernels.py does: on a machine without a GPU the
+# Triton kernels can only run in the interpreter, so turn it on before anything else loads.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests check numerics in float32 on the CPU with tiny models, where extra threads only spin:
 # one thread was 15x faster than two on a loaded 2-core machine.
