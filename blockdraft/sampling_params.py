@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+_MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -24,11 +26,19 @@ class SamplingParams:
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < _MIN_TEMPERATURE:
+            # logits / 1e-30 overflows float32; as in vLLM, such a temperature means greedy.
+            self.temperature = 0.0
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1: off), got {self.top_k!r}")
+        if (
+            not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+            or not -1 <= self.top_k < 2**31
+        ):
+            raise ValueError(
+                f"top_k must be an integer in [-1, 2**31) (0 or -1: off), got {self.top_k!r}"
+            )
         self.top_k = max(self.top_k, 0)
         _check_number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:

@@ -37,6 +37,7 @@ def random_prompt(rng: torch.Generator, n: int) -> list[int]:
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=2**70), "top_k"),
         (dict(min_p=2.0), "min_p"),
         (dict(seed=-1), "seed"),
         (dict(stop=[""]), "stop"),
@@ -46,6 +47,21 @@ def random_prompt(rng: torch.Generator, n: int) -> list[int]:
 def test_bad_sampling_params(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_extreme_but_valid_sampling_values_do_not_break_a_batch(llm: LLM, rng) -> None:
+    prompts = [random_prompt(rng, 5) for _ in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    extreme = [
+        SamplingParams(temperature=1e-30, max_tokens=4, ignore_eos=True),  # treated as greedy
+        SamplingParams(temperature=1.0, top_k=2**31 - 1, max_tokens=4, ignore_eos=True, seed=3),
+        greedy,
+    ]
+    outs = llm.generate(prompts, extreme, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == expected[0]
+    assert all(0 <= t < 128 for t in outs[1].outputs[0].token_ids)
+    assert outs[2].outputs[0].token_ids == expected[2]
 
 
 def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm: LLM, rng) -> None:
