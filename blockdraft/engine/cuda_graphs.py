@@ -17,6 +17,24 @@ from blockdraft.kernels.forward_context import PAD_SLOT_ID, AttentionMetadata, f
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 
+class EagerGraph:
+    """The CPU twin of a captured CUDA graph: `replay` re-runs the forward on the persistent
+    buffers and writes into the outputs returned at capture, exactly where a graph replay would
+    leave them. Tests use it to check the buffer handling without a GPU."""
+
+    def __init__(self, forward: Callable[[], object]) -> None:
+        self.forward = forward
+        self.out = forward()
+
+    @torch.inference_mode()
+    def replay(self) -> None:
+        new = self.forward()
+        pairs = zip(self.out, new, strict=True) if isinstance(new, tuple) else [(self.out, new)]
+        for dst, src in pairs:
+            if dst is not None:
+                dst.copy_(src)
+
+
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4] + list(range(8, 33, 8)) + list(range(48, 513, 16))
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
@@ -45,7 +63,7 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(self.batch_sizes[-1], max_blocks_per_seq, **i64)
         self.query_start_loc = torch.arange(self.batch_sizes[-1] + 1, **i64) * query_len
         self.pool = pool
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, object]] = {}
 
     def _meta(self, batch: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -64,8 +82,11 @@ class CUDAGraphRunner:
         for batch in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its pool
             rows = batch * self.query_len
             args = (self.input_ids[:rows], self.positions[:rows])
-            with forward_context(self._meta(batch)):
-                self.forward(*args)  # warm-up outside the graph (lazy init, autotuning)
+            if self.input_ids.device.type != "cuda":
+                twin = EagerGraph(lambda b=batch, a=args: self._eager(b, a))
+                self.graphs[batch] = (twin, twin.out)
+                continue
+            self._eager(batch, args)  # warm-up outside the graph (lazy init, autotuning)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool), forward_context(self._meta(batch)):
@@ -73,6 +94,10 @@ class CUDAGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = (graph, out)
+
+    def _eager(self, batch: int, args: tuple[torch.Tensor, torch.Tensor]) -> object:
+        with forward_context(self._meta(batch)):
+            return self.forward(*args)
 
     def fits(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks

@@ -251,6 +251,7 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the state of every request that got new tokens or
         finished (finished ones are forgotten afterwards)."""
