@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from blockdraft.cli import main
+
 from checkpoints import make_dflash_drafter, make_predictable_target
 
 
