@@ -111,6 +111,11 @@ def test_bad_checkpoints(tmp_path: Path, target: Path) -> None:
         LLM(str(broken))
 
 
+def test_max_model_len_beyond_the_model(target: Path) -> None:
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        LLM(str(target), max_model_len=100_000)
+
+
 def test_sharded_llama_checkpoint_loads(tmp_path: Path, rng) -> None:
     single = make_llama_checkpoint(tmp_path / "single", seed=3)
     sharded = make_llama_checkpoint(tmp_path / "sharded", seed=3, shard=True)

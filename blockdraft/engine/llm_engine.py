@@ -57,6 +57,11 @@ class LLMEngine:
         target_cfg = TransformerConfig.from_hf(ckpt.hf_config)
         self.tokenizer = ckpt.tokenizer
         self.generation_defaults = ckpt.generation_defaults
+        if (config.max_model_len or 0) > target_cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({target_cfg.max_position_embeddings})"
+            )
         self.max_model_len = config.max_model_len or min(
             target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
