@@ -32,6 +32,7 @@ class LLM:
             model=model, speculative_config=speculative_config, **engine_args
         )
         self.engine = LLMEngine(self.config)
+        self.engine.detokenize_running = False  # generate() returns only finished requests
         self._counter = itertools.count()
 
     @property

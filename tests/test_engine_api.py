@@ -184,7 +184,7 @@ def test_abort_frees_blocks(llm: LLM, rng) -> None:
     engine.abort_request("a")
     while engine.has_unfinished_requests():
         outs = engine.step()
-        assert all(o.request_id == "b" for o in outs)
+        assert all(o.request_id == "b" for o in outs), [o.request_id for o in outs]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

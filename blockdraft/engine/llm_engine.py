@@ -142,6 +142,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats(self.num_spec)
         self.requests: dict[str, Sequence] = {}
         self._seed_rng = random.Random(config.seed)
+        # Streaming needs the text of running requests every step; offline generation reads it
+        # only when a request finishes (stop strings are checked either way).
+        self.detokenize_running = True
         self.load_time_s = time.perf_counter() - t0
 
     def _capture_graphs(self, lookahead: int) -> None:
@@ -291,10 +294,10 @@ class LLMEngine:
             self._propose([s for s in touched if not s.is_finished])
         outputs = []
         for seq in touched:
-            if not seq.is_finished:
-                self.output_processor.update_text(seq)
-            else:
+            if seq.is_finished:
                 self.requests.pop(seq.request_id, None)
+            elif self.detokenize_running:
+                self.output_processor.update_text(seq)
             outputs.append(OutputProcessor.make_output(seq))
         return outputs
 
