@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from blockdraft.kernels.paged_attention import store_kv
+from blockdraft.kernels.select import get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -149,6 +149,7 @@ class DFlashDrafter(nn.Module):
         slot_mapping: torch.Tensor,  # [num_ctx] int64
     ) -> None:
         ctx = self.hidden_norm(self.fc(features))
+        store_kv = get_store_kv_backend(features.device)  # the same kernel the layers use
         for layer in self.layers:
             attn = layer.self_attn
             key, value = attn.project_kv(ctx, positions)
