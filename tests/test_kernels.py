@@ -14,6 +14,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -28,6 +29,7 @@ from blockdraft.kernels.forward_context import (  # noqa: E402
     PAD_SLOT_ID,
     AttentionMetadata,
     build_attention_metadata,
+    forward_context,
     slots_for_positions,
 )
 from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
@@ -37,6 +39,10 @@ from blockdraft.kernels.triton_attention import (  # noqa: E402
 )
 from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
+from blockdraft.layers.norm import RMSNorm  # noqa: E402
+from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
+from blockdraft.models.decoder import DecoderLayer, final_norm  # noqa: E402
+from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint  # noqa: E402
 
@@ -325,14 +331,138 @@ def test_rms_norm(rng, num_rows: int, hidden: int, with_residual: bool) -> None:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-5)
 
 
-def test_rms_norm_matches_layer(rng) -> None:
-    from blockdraft.layers.norm import RMSNorm
+def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm.forward` as written before the kernel existed: the numerics to keep."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
-    layer = RMSNorm(40, eps=1e-5).to(DEVICE)
-    layer.weight.data = randn(rng, 40)
-    x = randn(rng, 2, 3, 40)
-    torch.testing.assert_close(rms_norm_torch(x, layer.weight, 1e-5), layer(x), atol=0, rtol=0)
-    torch.testing.assert_close(triton_rms_norm(x, layer.weight, 1e-5), layer(x))
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rms_norm_matches_layer(rng, monkeypatch, dtype: torch.dtype) -> None:
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    layer = RMSNorm(40, eps=1e-5).to(DEVICE, dtype)
+    layer.weight.data = randn(rng, 40).to(dtype)
+    x, residual = randn(rng, 2, 3, 40).to(dtype), randn(rng, 2, 3, 40).to(dtype)
+    expected = eager_rms_norm(x, layer.weight, 1e-5)
+    # The torch path (CPU, or BLOCKDRAFT_ATTENTION=torch) is bit-identical to the eager code.
+    torch.testing.assert_close(rms_norm_torch(x, layer.weight, 1e-5), expected, atol=0, rtol=0)
+    torch.testing.assert_close(layer(x), expected, atol=0, rtol=0)
+    normed, stream = layer(x, residual)
+    torch.testing.assert_close(stream, x + residual, atol=0, rtol=0)
+    torch.testing.assert_close(
+        normed, eager_rms_norm(x + residual, layer.weight, 1e-5), atol=0, rtol=0
+    )
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(triton_rms_norm(x, layer.weight, 1e-5), expected, **tol)
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    triton_layer = RMSNorm(40, eps=1e-5).to(DEVICE, dtype)
+    triton_layer.weight.data = layer.weight.data
+    torch.testing.assert_close(triton_layer(x), expected, **tol)
+    # Training keeps the torch path: the kernel has no backward.
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        triton_layer(x).sum().backward()
+    assert x.grad is not None
+
+
+# --- decoder layers: residual adds fused into the norms ------------------------------------
+
+
+def layer_stack(
+    rng: torch.Generator, dtype: torch.dtype, num_layers: int = 2
+) -> tuple[nn.ModuleList, RMSNorm]:
+    """Qwen3-shaped layers (q/k norms, GQA 2) and a final norm with random weights."""
+    cfg = TransformerConfig(
+        architecture="qwen3",
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, None)
+    with torch.device(DEVICE):
+        layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(num_layers))
+        final = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    for name, p in [*layers.named_parameters(), *final.named_parameters(prefix="final")]:
+        # Norm weights around 1, projections at about 1/sqrt(fan_in): activations stay O(1).
+        init = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.2 * randn(rng, *p.shape)
+        p.data = init
+    return layers.to(dtype).requires_grad_(False), final.to(dtype).requires_grad_(False)
+
+
+def unfused_stack(
+    layers: nn.ModuleList,
+    final: RMSNorm,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    positions: torch.Tensor,  # [num_tokens] int64
+) -> torch.Tensor:  # [num_tokens, hidden]
+    """The pre-norm blocks as written before the fusion: eager adds, then a torch norm."""
+
+    def norm(module: RMSNorm, h: torch.Tensor) -> torch.Tensor:
+        return eager_rms_norm(h, module.weight, module.eps)
+
+    for layer in layers:
+        x = x + layer.self_attn(norm(layer.input_layernorm, x), positions)
+        x = x + layer.mlp(norm(layer.post_attention_layernorm, x))
+    return norm(final, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decoder_layers_fused_residual_norm(
+    rng, monkeypatch, backend: str, dtype: torch.dtype
+) -> None:
+    # Only the norms change backend: attention stays on the torch twin, as the interpreter's
+    # bf16 dots are not faithful (the engine test below covers the kernels together, in fp32).
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    if backend == "triton":
+        monkeypatch.setattr("blockdraft.layers.norm.get_rms_norm_backend", lambda d: counting)
+    fused_calls = []
+
+    def counting(*args: object, **kwargs: object) -> object:
+        fused_calls.append(len(args) > 3 and args[3] is not None)
+        return triton_rms_norm(*args, **kwargs)
+
+    layers, final = layer_stack(rng, dtype)
+    # A prefill chunk, a decode row and a verify block over scattered pages.
+    starts, query_lens = [5, 9, 3], [6, 1, 4]
+    meta, key_cache, _ = paged_batch(rng, starts, query_lens, 4, 2, 16)
+    for layer in layers:
+        attn = layer.self_attn.attn
+        attn.key_cache = randn(rng, *key_cache.shape).to(dtype)
+        attn.value_cache = randn(rng, *key_cache.shape).to(dtype)
+    positions = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)]
+    ).to(DEVICE)
+    x = randn(rng, sum(query_lens), 48).to(dtype)
+    with torch.inference_mode(), forward_context(meta):
+        expected = unfused_stack(layers, final, x, positions)
+        h, residual = x, None
+        for layer in layers:
+            h, residual = layer(h, positions, residual)
+        got = final_norm(final, h, residual)
+    if backend == "torch":  # today's numerics, bit for bit
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+        return
+    # Every norm but the first input norm (no residual yet) and the q/k norms fused an add.
+    assert fused_calls.count(True) == 2 * len(layers)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+    else:
+        # bf16: another rounding of rstd (and, in the interpreter, truncating casts to bf16)
+        # moves values by a bf16 ulp, which the following layers carry on.
+        torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
 
 
 # --- DFlash drafter inputs -----------------------------------------------------------------
@@ -449,9 +579,11 @@ def test_backend_selection(monkeypatch) -> None:
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
     assert select.get_attention_backend(DEVICE) is paged_attention
     assert select.get_store_kv_backend(DEVICE) is store_kv
+    assert select.get_rms_norm_backend(DEVICE) is rms_norm_torch
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
+    assert select.get_rms_norm_backend(DEVICE) is triton_rms_norm
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected
@@ -483,7 +615,7 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
-def test_engine_greedy_same_with_triton_attention(
+def test_engine_greedy_same_with_triton_kernels(
     tiny_pair, rng, monkeypatch, speculative: bool
 ) -> None:
     target, drafter = tiny_pair
@@ -511,13 +643,22 @@ def test_engine_greedy_same_with_triton_attention(
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     expected = generate("torch")
-    calls = []
+    calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0}
 
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
+    def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["attention"] += 1
         return triton_paged_attention(*args, **kwargs)
 
-    monkeypatch.setattr("blockdraft.kernels.triton_attention.triton_paged_attention", counting)
+    def counting_norm(*args: object, **kwargs: object) -> object:
+        fused = len(args) > 3 and args[3] is not None
+        calls["fused norm" if fused else "norm"] += 1
+        return triton_rms_norm(*args, **kwargs)
+
+    monkeypatch.setattr(
+        "blockdraft.kernels.triton_attention.triton_paged_attention", counting_attention
+    )
+    monkeypatch.setattr("blockdraft.kernels.triton_rmsnorm.triton_rms_norm", counting_norm)
     got = generate("triton")
-    assert calls, "the engine never called the Triton attention backend"
+    # Plain norms (q/k norms, the first input norm) and residual-fused ones all ran in Triton.
+    assert all(calls.values()), f"the engine skipped a Triton backend: {calls}"
     assert got == expected

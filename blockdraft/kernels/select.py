@@ -1,9 +1,9 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
-BLOCKDRAFT_ATTENTION=torch|triton forces a backend (unset or "auto": Triton on CUDA when it
-imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter, which
-reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton
-kernels lazily, on the first call that wants them.
+BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store and RMSNorm
+(unset or "auto": Triton on CUDA when it imports, torch otherwise). Triton on a CPU tensor only
+runs under its interpreter, which reads TRITON_INTERPRET=1 when triton is first imported: so
+this module imports the Triton kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -22,9 +22,11 @@ from collections.abc import Callable
 import torch
 
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
+from blockdraft.kernels.rmsnorm import rms_norm_torch
 
 AttentionFn = Callable[..., torch.Tensor]
 StoreKVFn = Callable[..., None]
+RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -73,3 +75,12 @@ def get_store_kv_backend(device: torch.device | str | None = None) -> StoreKVFn:
 
         return triton_kv_store.triton_store_kv
     return store_kv
+
+
+def get_rms_norm_backend(device: torch.device | str | None = None) -> RMSNormFn:
+    """`fn(x, weight, eps, residual=None) -> normed | (normed, x + residual)`, same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_rmsnorm
+
+        return triton_rmsnorm.triton_rms_norm
+    return rms_norm_torch

@@ -1,11 +1,12 @@
 """Fused RMSNorm, optionally preceded by the residual add of a pre-norm transformer block.
 
-`rms_norm_torch` is the specification and mirrors `blockdraft.layers.norm.RMSNorm` exactly:
-normalise in float32, round back to the activation dtype, then scale by the weight in the
-dtype torch promotion gives (weight * x). With a residual, the sum `x + residual` is rounded to
-the activation dtype first (as an eager `x + residual` would be), returned as the new residual
-stream, and normalised. The kernel reads each row once and writes the outputs once, instead
-of the ~8 elementwise passes of the eager version.
+`rms_norm_torch` (in `blockdraft.kernels.rmsnorm`) is the specification and what
+`blockdraft.layers.norm.RMSNorm` runs off the Triton path: normalise in float32, round back to
+the activation dtype, then scale by the weight in the dtype torch promotion gives (weight * x).
+With a residual, the sum `x + residual` is rounded to the activation dtype first (as an eager
+`x + residual` would be), returned as the new residual stream, and normalised. The kernel reads
+each row once and writes the outputs once, instead of the ~8 elementwise passes of the eager
+version.
 """
 
 from __future__ import annotations
@@ -14,19 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.rmsnorm import rms_norm_torch
 
-def rms_norm_torch(
-    x: torch.Tensor,  # [..., hidden]
-    weight: torch.Tensor,  # [hidden]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [..., hidden], same dtype as x
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # normed [..., hidden] (, new residual)
-    if residual is not None:
-        x = x + residual
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = weight * x32.to(x.dtype)
-    return normed if residual is None else (normed, x)
+__all__ = ["rms_norm_torch", "triton_rms_norm"]
 
 
 @triton.jit

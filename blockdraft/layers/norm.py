@@ -1,15 +1,36 @@
+from __future__ import annotations
+
 import torch
 from torch import nn
 
+from blockdraft.kernels.rmsnorm import rms_norm_torch
+from blockdraft.kernels.select import RMSNormFn, get_rms_norm_backend
+
 
 class RMSNorm(nn.Module):
+    """RMSNorm that can take the residual add before it (`norm(x + residual)`), so that a
+    pre-norm block's `add + norm` is one fused kernel on the Triton path."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self._backend: tuple[torch.device, RMSNormFn] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., hidden_size]
-        # Normalise in float32 whatever the activation dtype, as the reference models do.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size], the residual stream
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`; with a residual, `(norm(x + residual), x + residual)`."""
+        return self._kernel(x, residual)(x, self.weight, self.eps, residual)
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> RMSNormFn:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return rms_norm_torch  # training: the Triton kernel has no backward
+        if residual is not None and residual.dtype != x.dtype:
+            return rms_norm_torch  # mixed dtypes (autocast): the kernel wants one dtype
+        if self._backend is None or self._backend[0] != x.device:
+            # Resolved once per device: Triton on CUDA, the torch twin elsewhere.
+            self._backend = (x.device, get_rms_norm_backend(x.device))
+        return self._backend[1]

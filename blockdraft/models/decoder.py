@@ -88,9 +88,32 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden], the previous layer's MLP output (or the input)
+        positions: torch.Tensor,  # [num_tokens] int64
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x is the stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
+        """Pre-norm block whose output `mlp_out + residual` is left unsummed: each residual add
+        is fused into the norm after it (one kernel on the Triton path), the last one into the
+        next layer's input norm or the final norm. `layer_output` sums it where it is needed."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The hidden state after a `DecoderLayer` from its (MLP output, residual stream)."""
+    return x if residual is None else x + residual
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """`norm(x + residual)`, the last layer's residual add fused into the final norm."""
+    return norm(x) if residual is None else norm(x, residual)[0]
 
 
 class DecoderModel(nn.Module):
@@ -127,13 +150,15 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final hidden [num_tokens, hidden], features [num_tokens, K*hidden] or None)."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         captured = {}
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions)
+            x, residual = layer(x, positions, residual)
             if i in self.capture_layer_ids:
+                # Summed only where captured; elsewhere the add is fused into the next norm.
+                x, residual = layer_output(x, residual), None
                 captured[i] = x
-        x = self.model.norm(x)
+        x = final_norm(self.model.norm, x, residual)
         last = len(self.model.layers) - 1
         if last in captured:
             # transformers' hidden_states tuple (what drafters are trained on) ends with the

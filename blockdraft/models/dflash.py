@@ -19,7 +19,7 @@ from blockdraft.kernels.select import get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.decoder import DecoderLayer, DecoderLM
+from blockdraft.models.decoder import DecoderLayer, DecoderLM, final_norm
 from blockdraft.models.model_config import TransformerConfig
 
 
@@ -163,9 +163,10 @@ class DFlashDrafter(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.cfg.input_embedding_scale != 1.0:
             x = x * self.cfg.input_embedding_scale
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+            x, residual = layer(x, positions, residual)
+        return final_norm(self.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
         logits = self.lm_head(hidden).float() * self.cfg.output_multiplier
