@@ -68,8 +68,11 @@ def weight_bytes(cfg: dict) -> int:
 
 def decode_tok_s(llm: LLM, prompt: list[int], batch: int, new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt] * batch, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [prompt] * batch,
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     t0 = now()
     outs = llm.generate([prompt] * batch, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0)
@@ -80,8 +83,9 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"probe{i}", prompt, params)
-    while engine.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                    for s in engine.scheduler.running):
+    while engine.num_waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
         engine.step()
     for _ in range(3):
         engine.step()
@@ -94,6 +98,36 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
     return elapsed / steps * 1e3
 
 
+def profile_steps(llm: LLM, prompt: list[int], steps: int, label: str) -> list[list]:
+    """Top CUDA kernels and the host/device split of `steps` batch-1 engine steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    engine.add_request(
+        "prof", prompt, SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    )
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = now()
+        for _ in range(steps):
+            engine.step()
+        wall_ms = (now() - t0) * 1e3 / steps
+    engine.abort_request("prof")
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.key != "Activity Buffer Request"
+    ]
+    kernels = [e for e in events if not e.key.startswith(("cudaGraphLaunch", "ProfilerStep"))]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    rows = [[label, "step wall", wall_ms], [label, "GPU busy", gpu_ms]]
+    rows += [[label, e.key[:60], e.self_device_time_total / 1e3 / steps] for e in kernels[:8]]
+    return rows
+
+
 def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -103,8 +137,9 @@ def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[fl
     ids = torch.tensor([prompt], device="cuda")
     model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
     t0 = now()
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
     hf = (out.shape[1] - ids.shape[1]) / (now() - t0)
     zlab = float("nan")
     try:
@@ -112,8 +147,9 @@ def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[fl
         from transformers import Qwen3Config
 
         zl._cuda_time = now
-        dcfg = Qwen3Config(**{**cfg.to_dict(), "num_hidden_layers": 1,
-                              "layer_types": ["full_attention"]})
+        dcfg = Qwen3Config(
+            **{**cfg.to_dict(), "num_hidden_layers": 1, "layer_types": ["full_attention"]}
+        )
         dcfg.num_target_layers = cfg.num_hidden_layers
         dcfg.block_size = 16
         dcfg.dflash_config = {"mask_token_id": 0, "target_layer_ids": [18]}
@@ -121,8 +157,9 @@ def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[fl
             drafter = zl.DFlashDraftModel(dcfg).to(torch.bfloat16).eval()
         for n in (8, new_tokens):
             t0 = now()
-            zl.dflash_generate(drafter, model, ids, max_new_tokens=n, stop_token_ids=None,
-                               block_size=1)
+            zl.dflash_generate(
+                drafter, model, ids, max_new_tokens=n, stop_token_ids=None, block_size=1
+            )
         zlab = new_tokens / (now() - t0)
     except Exception as e:  # the peer is optional: report why it did not run
         print(f"z-lab dflash_generate did not run: {type(e).__name__}: {e}")
@@ -140,6 +177,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     p.add_argument("--accept", type=float, default=0.86)
     p.add_argument("--skip-peers", action="store_true")
+    p.add_argument(
+        "--small-block",
+        type=int,
+        default=8,
+        help="also run DFlash with this block size at the two top concurrencies",
+    )
+    p.add_argument("--profile", action="store_true", help="profile batch-1 steps")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
@@ -154,12 +198,18 @@ def main() -> None:
     roofline = bandwidth / weight_bytes(QWEN3_8B)
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
     results["roofline_tok_s"] = roofline
-    kw = dict(load_format="dummy", max_model_len=args.prompt_len + args.new_tokens + 64,
-              max_num_seqs=max(args.concurrency + args.batches))
+    kw = dict(
+        load_format="dummy",
+        max_model_len=args.prompt_len + args.new_tokens + 64,
+        max_num_seqs=max(args.concurrency + args.batches),
+    )
     t0 = time.perf_counter()
     ar = LLM(str(target), **kw)
-    print(f"target loaded in {time.perf_counter() - t0:.1f} s "
-          f"(CUDA graphs captured in {ar.engine.capture_time_s:.1f} s)", flush=True)
+    print(
+        f"target loaded in {time.perf_counter() - t0:.1f} s "
+        f"(CUDA graphs captured in {ar.engine.capture_time_s:.1f} s)",
+        flush=True,
+    )
     results["capture_time_s"] = ar.engine.capture_time_s
     results["ar_batch1_tok_s"] = decode_tok_s(ar, prompt, 1, args.new_tokens)
     hf = zlab = float("nan")
@@ -169,28 +219,81 @@ def main() -> None:
 
     ar_steps = {b: mean_step_ms(ar, prompt, b, args.steps) for b in tqdm(args.batches, "AR steps")}
     ar_conc = {c: decode_tok_s(ar, prompt, c, 64) for c in tqdm(args.concurrency, "AR conc")}
+    prof_rows = profile_steps(ar, prompt, args.steps, "AR") if args.profile else []
     del ar
     torch.cuda.empty_cache()
-    sd = LLM(str(target), speculative_config={
-        "method": "dflash", "model": str(drafter), "num_speculative_tokens": 15,
-        "synthetic_acceptance_rate": args.accept}, **kw)
+    sd = LLM(
+        str(target),
+        speculative_config={
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": 15,
+            "synthetic_acceptance_rate": args.accept,
+        },
+        **kw,
+    )
     sd_steps = {b: mean_step_ms(sd, prompt, b, args.steps) for b in tqdm(args.batches, "SD steps")}
     sd_conc = {c: decode_tok_s(sd, prompt, c, 64) for c in tqdm(args.concurrency, "SD conc")}
     results["step_ms"] = {"ar": ar_steps, "dflash": sd_steps}
     results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc}
     results["mean_acceptance_length"] = sd.engine.spec_stats.mean_acceptance_length
+    if args.profile:
+        prof_rows += profile_steps(sd, prompt, args.steps, "DFlash N=15")
+    del sd
+    torch.cuda.empty_cache()
+    small_conc: dict[int, float] = {}
+    small_tau = float("nan")
+    if args.small_block:
+        top = sorted(args.concurrency)[-2:]
+        small = LLM(
+            str(target),
+            speculative_config={
+                "method": "dflash",
+                "model": str(drafter),
+                "num_speculative_tokens": args.small_block - 1,
+                "synthetic_acceptance_rate": args.accept,
+            },
+            **kw,
+        )
+        small_conc = {c: decode_tok_s(small, prompt, c, 64) for c in top}
+        small_tau = small.engine.spec_stats.mean_acceptance_length
+        del small
+        torch.cuda.empty_cache()
+    results["small_block"] = {
+        "block_size": args.small_block,
+        "tok_s": small_conc,
+        "mean_acceptance_length": small_tau,
+    }
 
-    print(f"\n{results['hardware']}, {results['date']}; Qwen3-8B shapes, random bf16 weights, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens")
-    print_table("a. batch-1 decode tok/s", ["roofline", "blockdraft AR", "transformers",
-                                            "z-lab block 1"],
-                [[roofline, results["ar_batch1_tok_s"], hf, zlab]])
-    print_table("b. step cost (ms) and ratio", ["batch", "decode", "verify16+draft", "ratio"],
-                [[b, ar_steps[b], sd_steps[b], sd_steps[b] / ar_steps[b]] for b in args.batches])
-    print_table(f"c. tok/s, synthetic acceptance p={args.accept} "
-                f"(mean acceptance {results['mean_acceptance_length']:.2f})",
-                ["concurrency", "AR", "DFlash", "speedup"],
-                [[c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c]] for c in args.concurrency])
+    print(
+        f"\n{results['hardware']}, {results['date']}; Qwen3-8B shapes, random bf16 weights, "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
+    )
+    print_table(
+        "a. batch-1 decode tok/s",
+        ["roofline", "blockdraft AR", "transformers", "z-lab block 1"],
+        [[roofline, results["ar_batch1_tok_s"], hf, zlab]],
+    )
+    print_table(
+        "b. step cost (ms) and ratio",
+        ["batch", "decode", "verify16+draft", "ratio"],
+        [[b, ar_steps[b], sd_steps[b], sd_steps[b] / ar_steps[b]] for b in args.batches],
+    )
+    print_table(
+        f"c. tok/s, synthetic acceptance p={args.accept} "
+        f"(mean acceptance {results['mean_acceptance_length']:.2f})",
+        ["concurrency", "AR", "DFlash", "speedup"],
+        [[c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c]] for c in args.concurrency],
+    )
+    if small_conc:
+        print_table(
+            f"c'. block {args.small_block} (mean acceptance {small_tau:.2f})",
+            ["concurrency", "AR", f"DFlash block {args.small_block}", "speedup"],
+            [[c, ar_conc[c], v, v / ar_conc[c]] for c, v in small_conc.items()],
+        )
+    if prof_rows:
+        results["profile_ms"] = prof_rows
+        print_table("profile, batch 1, ms per step", ["mode", "what", "ms"], prof_rows)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -450,3 +450,23 @@ def test_resume_continues_from_the_saved_step(setup: dict[str, Path], tmp_path: 
     for (name, p), q in zip(straight.drafter.named_parameters(), resumed.drafter.parameters(),
                             strict=True):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_time_limit_stops_with_a_resumable_checkpoint(
+    setup: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spent wall-clock budget stops training at a step boundary with a checkpoint, and a
+    resumed run (whose RNG state comes back as CPU tensors) finishes the schedule."""
+    import blockdraft.train.trainer as trainer_module
+
+    clock = iter(range(1000))  # each reading of the clock: one "second" later
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: float(next(clock)))
+    first = Trainer(train_config(setup, tmp_path, steps=8, time_limit_s=3.5))
+    part = first.fit()
+    assert 0 < part.step < 8
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == [f"step_{part.step:06d}"]
+    monkeypatch.undo()
+    rest = Trainer(train_config(setup, tmp_path, steps=8, resume=True)).fit()
+    assert rest.step == 8 and rest.history[0].step == part.step + 1
+    assert (tmp_path / "model.safetensors").is_file()

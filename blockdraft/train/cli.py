@@ -51,6 +51,12 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--save-every", type=int, default=0)
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     g.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable)")
+    g.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="stop training this many seconds after the start (resumable)",
+    )
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-holdout", type=int, default=0, help="regenerated samples held out")
     g.add_argument("--eval-prompts", default=None, help="prompt file for evaluation")
@@ -95,6 +101,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         save_every=args.save_every,
         resume=args.resume,
         stop_after=args.stop_after,
+        time_limit_s=args.time_limit,
         eval_holdout=args.eval_holdout,
         eval_prompts=args.eval_prompts,
         eval_num_prompts=args.eval_num_prompts,

@@ -112,6 +112,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     resume: bool = False
     stop_after: int | None = None  # stop (with a checkpoint) at this step, to resume later
+    # Wall-clock budget of the whole run (regeneration included): training stops, with a
+    # resumable checkpoint, once it is spent. For jobs with a fixed time slot.
+    time_limit_s: float | None = None
     save_dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     # held-out evaluation of the engine's acceptance length
     eval_holdout: int = 0  # regenerated samples kept out of training, their prompts evaluated
@@ -248,6 +251,7 @@ def _set_rng_state(state: dict) -> None:
 class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
+        self.started = time.monotonic()
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.device = cfg.torch_device
@@ -369,7 +373,8 @@ class Trainer:
         found = _checkpoint_dirs(self.out_dir)
         if not found:
             return  # nothing saved yet: a fresh start
-        state = torch.load(found[-1] / STATE_FILE, map_location=self.device, weights_only=False)
+        # On the CPU: the RNG states must stay CPU byte tensors; the optimizer moves its own state.
+        state = torch.load(found[-1] / STATE_FILE, map_location="cpu", weights_only=False)
         if state["hf_config"] != self.hf_config:
             raise ValueError(f"{found[-1]} holds a drafter of another shape; cannot resume")
         params = trainable_parameters(self.drafter)
@@ -519,8 +524,9 @@ class Trainer:
             desc="Training drafter",
             disable=not cfg.use_tqdm,
         )
+        deadline = self.started + cfg.time_limit_s if cfg.time_limit_s else math.inf
         try:
-            while self.step < last:
+            while self.step < last and time.monotonic() < deadline:
                 stats = self.train_step()
                 result.history.append(stats)
                 log.write(json.dumps(dataclasses.asdict(stats)) + "\n")
