@@ -30,9 +30,12 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def _block_keys(self, token_ids: list[int], num_blocks: int) -> list[tuple]:
-        keys, parent = [], None
-        for i in range(num_blocks):
+    def _block_keys(
+        self, token_ids: list[int], first: int, end: int, parent: int | None
+    ) -> list[tuple]:
+        """Keys of blocks first .. end-1; `parent` is the hash of block first-1's key."""
+        keys = []
+        for i in range(first, end):
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             keys.append(key)
             parent = hash(key)
@@ -50,12 +53,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        for key in self._block_keys(seq.token_ids, max_blocks):
+        seq.last_block_hash = None
+        for key in self._block_keys(seq.token_ids, 0, max_blocks, None):
             block_id = self.cached.get(key)
             if block_id is None:
                 break
             self._take(block_id)
             seq.block_table.append(block_id)
+            seq.last_block_hash = hash(key)
         seq.num_hashed_blocks = len(seq.block_table)
         return len(seq.block_table) * self.block_size
 
@@ -82,13 +87,15 @@ class BlockManager:
         num_full = seq.num_computed_tokens // self.block_size
         if num_full <= seq.num_hashed_blocks:
             return
-        keys = self._block_keys(seq.token_ids, num_full)
-        for i in range(seq.num_hashed_blocks, num_full):
-            block_id = seq.block_table[i]
-            if keys[i] not in self.cached:
-                self.cached[keys[i]] = block_id
-                self.block_key[block_id] = keys[i]
-        seq.num_hashed_blocks = num_full
+        # Only the newly full blocks are hashed: chaining from the last registered block's
+        # hash keeps a long request's per-step cost flat instead of growing with its length.
+        first = seq.num_hashed_blocks
+        keys = self._block_keys(seq.token_ids, first, num_full, seq.last_block_hash)
+        for block_id, key in zip(seq.block_table[first:num_full], keys, strict=True):
+            if key not in self.cached:
+                self.cached[key] = block_id
+                self.block_key[block_id] = key
+        seq.num_hashed_blocks, seq.last_block_hash = num_full, hash(keys[-1])
 
     def free(self, seq: Sequence) -> None:
         # Release the tail first so that, among a sequence's blocks, its prefix is evicted last.

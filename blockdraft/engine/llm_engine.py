@@ -17,9 +17,9 @@ from blockdraft.engine.model_runner import (
     ModelRunner,
     StepOutput,
     allocate_kv_cache,
+    int64_tensors,
     kv_bytes_per_block,
     run_forward,
-    sampling_tensors,
 )
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
@@ -78,9 +78,7 @@ class LLMEngine:
                 )
         lookahead = self.num_spec + 1 if self.num_spec else 0
         # RoPE tables cover the block the drafter writes past the last committed token.
-        max_positions = max(
-            target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead
-        )
+        max_positions = max(target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead)
         target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
 
         dtype = config.torch_dtype
@@ -93,8 +91,10 @@ class LLMEngine:
                 dict(self.model.named_parameters()),
                 iter_checkpoint_tensors(ckpt),
                 str(model_path),
-                ignore=lambda name: "rotary_emb" in name
-                or (name == "lm_head.weight" and target_cfg.tie_word_embeddings),
+                ignore=lambda name: (
+                    "rotary_emb" in name
+                    or (name == "lm_head.weight" and target_cfg.tie_word_embeddings)
+                ),
             )
         eos_token_ids = ckpt.eos_token_ids
         del ckpt
@@ -104,8 +104,13 @@ class LLMEngine:
         attention_layers = list(self.model.attention_layers)
         if spec is not None:
             drafter = load_drafter(
-                spec.model, self.model, max_positions, dtype, self.device,
-                dummy=config.load_format == "dummy", cfg=draft_cfg,
+                spec.model,
+                self.model,
+                max_positions,
+                dtype,
+                self.device,
+                dummy=config.load_format == "dummy",
+                cfg=draft_cfg,
             )
             self.model.capture_layer_ids = drafter.cfg.target_layer_ids
             attention_layers += drafter.attention_layers
@@ -114,7 +119,12 @@ class LLMEngine:
                 self.num_spec,
                 config.block_size,
                 lambda ids, starts, tables: run_forward(
-                    drafter, self.drafter_graphs, ids, starts, tables, config.block_size,
+                    drafter,
+                    self.drafter_graphs,
+                    ids,
+                    starts,
+                    tables,
+                    config.block_size,
                     self.device,
                 ),
             )
@@ -185,9 +195,11 @@ class LLMEngine:
             per_block = kv_bytes_per_block(layers, cfg.block_size, dtype)
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                budget = free - (1 - cfg.gpu_memory_utilization) * torch.cuda.get_device_properties(
-                    self.device
-                ).total_memory
+                budget = (
+                    free
+                    - (1 - cfg.gpu_memory_utilization)
+                    * torch.cuda.get_device_properties(self.device).total_memory
+                )
             else:
                 budget = cfg.kv_cache_memory_gib * 2**30
             num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
@@ -320,7 +332,8 @@ class LLMEngine:
         if not seqs:
             return
         anchor_positions = [s.num_tokens - 1 for s in seqs]
-        st = sampling_tensors(seqs, [p + 1 for p in anchor_positions], self.device)
+        (positions,) = int64_tensors(self.device, [p + 1 for p in anchor_positions])
+        st = self.runner.sampling.get(seqs, positions)
         drafts, probs = self.proposer.propose(
             [s.token_ids[-1] for s in seqs], anchor_positions, [s.block_table for s in seqs], st
         )

@@ -3,6 +3,7 @@ and drives the speculator. It orchestrates; the feature logic lives in the modul
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -88,6 +89,13 @@ def run_forward(
         )
 
 
+def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
+    """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
+    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer."""
+    flat = torch.tensor(list(itertools.chain(*parts)), dtype=torch.int64)
+    return list(flat.to(device, non_blocking=True).split([len(p) for p in parts]))
+
+
 def sampling_tensors(
     seqs: list[Sequence], positions: list[int], device: torch.device
 ) -> SamplingTensors:
@@ -102,6 +110,30 @@ def sampling_tensors(
     )
 
 
+class SamplingTensorCache:
+    """Sampling parameters of a batch of requests on the device, built once per batch
+    composition: they are constant per request, and consecutive steps mostly run the same
+    requests in the same order. Only the positions are new each step."""
+
+    def __init__(self, device: torch.device, max_entries: int = 4) -> None:
+        self.device, self.max_entries = device, max_entries
+        self._entries: dict[tuple[Sequence, ...], SamplingTensors] = {}
+
+    def get(
+        self,
+        seqs: list[Sequence],
+        position: torch.Tensor,  # [len(seqs)] int64 on the device
+    ) -> SamplingTensors:
+        key = tuple(seqs)  # Sequence compares by identity
+        st = self._entries.get(key)
+        if st is None:
+            st = sampling_tensors(seqs, [0] * len(seqs), self.device)
+            if len(self._entries) >= self.max_entries:
+                del self._entries[next(iter(self._entries))]  # the oldest
+            self._entries[key] = st
+        return dataclasses.replace(st, position=position)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -114,6 +146,7 @@ class ModelRunner:
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
         self.graphs: dict[int, CUDAGraphRunner] = {}  # query length -> captured forwards
         self.block_size, self.device = block_size, device
+        self.sampling = SamplingTensorCache(device)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -133,9 +166,11 @@ class ModelRunner:
         new_tokens: list[list[int]] = [[] for _ in chunks]
         num_accepted: list[int | None] = [None] * len(chunks)
         if decode:
-            rows = torch.tensor([ends[i] - 1 for i in decode], device=self.device)
             seqs = [chunks[i].seq for i in decode]
-            st = sampling_tensors(seqs, [s.num_tokens for s in seqs], self.device)
+            rows, positions = int64_tensors(
+                self.device, [ends[i] - 1 for i in decode], [s.num_tokens for s in seqs]
+            )
+            st = self.sampling.get(seqs, positions)
             sampled = sample(self.model.compute_logits(hidden[rows]), st).tolist()
             for i, tok in zip(decode, sampled, strict=True):
                 new_tokens[i] = [tok]
@@ -151,12 +186,16 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], ends: list[int], hidden: torch.Tensor
     ) -> tuple[list[list[int]], list[int]]:
         n = chunks[0].num_drafts
-        rows = torch.tensor(
-            [e - n - 1 + j for e in ends for j in range(n + 1)], device=self.device
-        )
-        logits = self.model.compute_logits(hidden[rows]).view(len(chunks), n + 1, -1)
         seqs = [c.seq for c in chunks]
-        drafts = torch.tensor([s.draft_token_ids for s in seqs], device=self.device)
+        # The first draft sits one past the anchor, the last committed token.
+        rows, drafts, positions = int64_tensors(
+            self.device,
+            [e - n - 1 + j for e in ends for j in range(n + 1)],
+            [t for s in seqs for t in s.draft_token_ids],
+            [c.start + 1 for c in chunks],
+        )
+        drafts = drafts.view(len(chunks), n)
+        logits = self.model.compute_logits(hidden[rows]).view(len(chunks), n + 1, -1)
         draft_probs = None
         if any(s.draft_probs is not None for s in seqs):
             draft_probs = torch.stack(
@@ -167,13 +206,14 @@ class ModelRunner:
                     for s, d in zip(seqs, drafts, strict=True)
                 ]
             )
-        # The first draft sits one past the anchor, the last committed token.
-        st = sampling_tensors(seqs, [c.start + 1 for c in chunks], self.device)
+        st = self.sampling.get(seqs, positions)
         if self.synthetic_acceptance_rate is not None:
             out, accepted = self._synthetic_verify(logits, drafts)
         else:
             out, accepted = rejection_sample(logits, drafts, draft_probs, st)
-        return out.tolist(), accepted.tolist()
+        # One device-to-host read (one sync) for both.
+        host = torch.cat([out, accepted[:, None]], dim=1).tolist()
+        return [row[:-1] for row in host], [row[-1] for row in host]
 
     def _synthetic_verify(
         self,

@@ -16,6 +16,32 @@ class OutputProcessor:
 
     def append(self, seq: Sequence, tokens: list[int]) -> int:
         """Appends tokens until the request finishes; returns how many were appended."""
+        if seq.params.stop:
+            return self._append_checking_text(seq, tokens)
+        return self._append_ids(seq, tokens)
+
+    def _append_ids(self, seq: Sequence, tokens: list[int]) -> int:
+        """`append` without stop strings: only token ids and lengths can finish the request,
+        so find where it finishes and extend once (no per-token bookkeeping on the hot path)."""
+        params = seq.params
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+        count = min(len(tokens), max(room, 1))  # the token reaching a limit is still appended
+        finish = "length" if count == max(room, 1) else None
+        for i, tok in enumerate(tokens[:count]):
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                count, finish = i + 1, "stop"
+                break
+            if tok in params.stop_token_ids:
+                count, finish = i + 1, "stop"
+                seq.stop_reason = tok
+                break
+        seq.token_ids.extend(tokens[:count])
+        if finish is not None:
+            seq.finish_reason = finish
+            self.update_text(seq)
+        return count
+
+    def _append_checking_text(self, seq: Sequence, tokens: list[int]) -> int:
         params = seq.params
         for count, tok in enumerate(tokens, start=1):
             seq.token_ids.append(tok)
@@ -60,12 +86,12 @@ class OutputProcessor:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=seq.prompt_token_ids,
             outputs=[
                 CompletionOutput(
                     index=0,
                     text=seq.text,
-                    token_ids=list(seq.output_token_ids),
+                    token_ids=seq.output_token_ids,  # a fresh slice
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )

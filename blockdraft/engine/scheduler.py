@@ -95,8 +95,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         while (
-            self.waiting and budget > 0 and not preempted
-            and len(self.running) < self.max_num_seqs
+            self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
             if not seq.block_table:

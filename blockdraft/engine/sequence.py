@@ -32,11 +32,14 @@ class Sequence:
         self.seed = seed  # resolved: the request's own or one drawn from the engine's seed
         self.max_tokens = max_tokens  # resolved against max_model_len
         self.token_ids = list(prompt_token_ids)
+        # Its own copy, shared by every output of the request instead of sliced per step.
+        self.prompt_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V (target and drafter) are in the cache
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
+        self.last_block_hash: int | None = None  # of the last one's key: the next one's parent
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.draft_token_ids: list[int] = []  # proposed, verified in the next step
         self.draft_probs: torch.Tensor | None = None  # [N, vocab] when drafts were sampled
@@ -68,6 +71,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
+        self.last_block_hash = None
         self.draft_token_ids = []
         self.draft_probs = None
         self.status = SequenceStatus.WAITING

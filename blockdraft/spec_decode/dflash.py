@@ -90,4 +90,3 @@ class DFlashProposer:
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(len(anchors), n, -1)
         tokens, probs = sample_drafts(logits, st)
         return tokens.tolist(), probs
-

@@ -35,9 +35,9 @@ def sample_drafts(
     """
     num_rows, n, vocab = draft_logits.shape
     flat = draft_logits.reshape(num_rows * n, vocab)
-    st_rows = st.repeat_interleave(n)
     if st.all_greedy:
         return flat.argmax(dim=-1).view(num_rows, n), None
+    st_rows = st.repeat_interleave(n)
     probs = sampling_probs(flat, st_rows)
     # Greedy rows come back one-hot from sampling_probs, so the race returns their argmax.
     tokens = sample_from_probs(probs, st_rows, SALT_DRAFT)
