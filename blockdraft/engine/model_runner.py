@@ -16,6 +16,7 @@ from blockdraft.kernels.forward_context import (
     build_attention_metadata,
     flat_slots,
     forward_context,
+    host_int64,
     padded_block_tables,
 )
 from blockdraft.layers.attention import PagedAttention
@@ -71,28 +72,26 @@ def run_forward(
     graph = graphs.get(query_lens[0]) if len(set(query_lens)) == 1 else None
     if graph is not None and graph.fits(len(starts), max(len(t) for t in block_tables)):
         rows = len(flat_ids)
-        out = graph.run(
-            torch.tensor(flat_ids, dtype=torch.int64),
-            torch.tensor(positions, dtype=torch.int64),
-            torch.tensor(flat_slots(block_tables, starts, query_lens, block_size)),
-            torch.tensor([s + n for s, n in zip(starts, query_lens, strict=True)]),
-            torch.tensor(padded_block_tables(block_tables)),
+        slots = flat_slots(block_tables, starts, query_lens, block_size)
+        seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
+        # The graph's inputs come from the host: one host tensor for the flat ones.
+        ids, pos, slot_mapping, lens = host_int64(flat_ids + positions + slots + seq_lens).split(
+            [rows, rows, rows, len(seq_lens)]
         )
+        out = graph.run(ids, pos, slot_mapping, lens, host_int64(padded_block_tables(block_tables)))
         if isinstance(out, tuple):
             return tuple(o[:rows] if o is not None else None for o in out)
         return out[:rows]
     meta = build_attention_metadata(block_tables, starts, query_lens, block_size, device)
+    ids, pos = int64_tensors(device, flat_ids, positions)
     with forward_context(meta):
-        return module(
-            torch.tensor(flat_ids, dtype=torch.int64).to(device),
-            torch.tensor(positions, dtype=torch.int64).to(device),
-        )
+        return module(ids, pos)
 
 
 def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
     """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
     each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer."""
-    flat = torch.tensor(list(itertools.chain(*parts)), dtype=torch.int64)
+    flat = host_int64(list(itertools.chain(*parts)))
     return list(flat.to(device, non_blocking=True).split([len(p) for p in parts]))
 
 

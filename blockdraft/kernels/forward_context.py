@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 PAD_SLOT_ID = -1
@@ -59,6 +60,12 @@ def get_attention_metadata() -> AttentionMetadata:
     return _current
 
 
+def host_int64(values: list) -> torch.Tensor:  # [len(values)] or [rows, cols] int64, host
+    """A host int64 tensor from a (nested) list of ints. Through numpy: `torch.tensor` on a
+    list converts element by element, several times slower on the per-step inputs."""
+    return torch.from_numpy(np.array(values, dtype=np.int64))
+
+
 def slots_for_positions(block_table: list[int], positions: range, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
@@ -94,7 +101,7 @@ def build_attention_metadata(
         loc.append(loc[-1] + n)
 
     def as_tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        return host_int64(values).to(device, non_blocking=True)
 
     return AttentionMetadata(
         slot_mapping=as_tensor(slots),

@@ -21,6 +21,7 @@ import torch
 from blockdraft.kernels.forward_context import (
     build_attention_metadata,
     forward_context,
+    host_int64,
 )
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash import DFlashDrafter
@@ -66,12 +67,10 @@ class DFlashProposer:
     ) -> None:
         if not rows:
             return
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        self.drafter.write_context(
-            features.index_select(0, index),
-            torch.tensor(positions, dtype=torch.int64, device=self.device),
-            torch.tensor(slots, dtype=torch.int64, device=self.device),
-        )
+        # One host tensor and one transfer for the three.
+        flat = host_int64(rows + positions + slots).to(self.device, non_blocking=True)
+        index, position, slot_mapping = flat.split(len(rows))
+        self.drafter.write_context(features.index_select(0, index), position, slot_mapping)
 
     def propose(
         self,
