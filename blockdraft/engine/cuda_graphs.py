@@ -62,6 +62,8 @@ class CUDAGraphRunner:
         self.seq_lens = torch.full((self.batch_sizes[-1],), query_len, **i64)
         self.block_tables = torch.zeros(self.batch_sizes[-1], max_blocks_per_seq, **i64)
         self.query_start_loc = torch.arange(self.batch_sizes[-1] + 1, **i64) * query_len
+        # Positions of padded requests (0 .. q-1 each), made once instead of on every replay.
+        self.pad_positions = torch.arange(query_len, **i64).repeat(self.batch_sizes[-1])
         self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, object]] = {}
 
@@ -121,9 +123,7 @@ class CUDAGraphRunner:
         if pad_rows > rows:  # padded requests: write to the PAD slot, see only their own rows
             self.slot_mapping[rows:pad_rows].fill_(PAD_SLOT_ID)
             self.seq_lens[num_seqs:batch].fill_(self.query_len)
-            self.positions[rows:pad_rows].copy_(
-                torch.arange(self.query_len, device=self.positions.device).repeat(batch - num_seqs)
-            )
+            self.positions[rows:pad_rows].copy_(self.pad_positions[: pad_rows - rows])
         graph, out = self.graphs[batch]
         graph.replay()
         return out
