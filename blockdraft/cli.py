@@ -9,7 +9,11 @@ import time
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
-    p.add_argument("--draft", default=None, help="DFlash drafter directory")
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="DFlash drafter directory, or 'default': the drafter shipped for the default target",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -64,8 +68,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.raw:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     else:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params,
-                           use_tqdm=False)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False
+        )
     elapsed = time.perf_counter() - start
     total = 0
     for out in outputs:
@@ -133,8 +138,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
     with open(args.json, "w") as f:
         json.dump(results_json(results), f, indent=2)
     plotted = save_plot(results, args.plot)
-    print(f"[results in {args.json}" + (f", plot in {args.plot}]" if plotted else
-                                         "; pip install matplotlib for the plot]"))
+    print(
+        f"[results in {args.json}"
+        + (f", plot in {args.plot}]" if plotted else "; pip install matplotlib for the plot]")
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,8 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    serve.add_argument("--max-waiting", type=int, default=256,
-                       help="queued requests beyond max-num-seqs before 503")
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=256,
+        help="queued requests beyond max-num-seqs before 503",
+    )
     serve.add_argument("--served-model-name", default=None)
     serve.set_defaults(func=cmd_serve)
     bench = sub.add_parser("bench", help="acceptance and speed of DFlash on prompt sets")

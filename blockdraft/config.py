@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from blockdraft.assets import DEFAULT_DRAFTER, default_drafter_path
+
 
 @dataclass
 class SpeculativeConfig:
-    model: str  # DFlash drafter directory
+    model: str  # DFlash drafter directory; "default": the drafter shipped for the default target
     method: str = "dflash"
     num_speculative_tokens: int | None = None  # default: drafter block_size - 1
     # Benchmark only: accept each draft with this probability instead of verifying it, so speed
@@ -33,7 +36,10 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError("speculative_config must be a dict or SpeculativeConfig")
         unknown = set(value) - {
-            "model", "method", "num_speculative_tokens", "synthetic_acceptance_rate"
+            "model",
+            "method",
+            "num_speculative_tokens",
+            "synthetic_acceptance_rate",
         }
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
@@ -86,3 +92,11 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None and spec.model == DEFAULT_DRAFTER:
+            if self.model is not None:
+                raise ValueError(
+                    f"speculative model {DEFAULT_DRAFTER!r} is the drafter trained for the "
+                    f"default SmolLM2 target; for {self.model} give a drafter directory"
+                )
+            self.speculative_config = dataclasses.replace(spec, model=default_drafter_path())

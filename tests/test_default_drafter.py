@@ -1,0 +1,104 @@
+"""The DFlash drafter shipped for the embedded SmolLM2 target: it fits the package budget,
+`speculative_config={"model": "default"}` / `--draft default` selects it, speculative output
+equals plain decoding, it really accepts drafts, and z-lab's reference loop agrees with ours."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from blockdraft import LLM, SamplingParams
+from blockdraft.assets import default_drafter_path
+from blockdraft.models.dflash import DFlashConfig
+from blockdraft.models.gguf_loader import default_model_path, load_gguf
+from blockdraft.models.model_config import TransformerConfig
+
+from checkpoints import zlab_first_draft_logits, zlab_generate
+
+DEFAULT_SPEC = {"method": "dflash", "model": "default"}
+
+
+def random_questions(count: int) -> list[str]:
+    rng = random.Random()
+    shapes = [
+        "What is {a} plus {b}? Explain step by step.",
+        "Write a Python function that returns the {a}th Fibonacci number.",
+        "Give me {c} tips for learning to cook.",
+        "Write a short story about a robot who owns {a} cats.",
+    ]
+    return [
+        rng.choice(shapes).format(a=rng.randrange(2, 99), b=rng.randrange(2, 99),
+                                  c=rng.randrange(3, 9))
+        for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def target_hf_dir(tmp_path_factory) -> Path:
+    """The default GGUF target written as a transformers checkpoint (for z-lab's loop)."""
+    ckpt = load_gguf(default_model_path())
+    cfg = {k: v for k, v in ckpt.hf_config.items() if k != "architectures"}
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.load_state_dict(ckpt.state_dict, strict=False)
+    model.tie_weights()
+    out = tmp_path_factory.mktemp("smollm2-hf")
+    model.save_pretrained(out)
+    return out
+
+
+def test_shipped_drafter_fits_the_default_target() -> None:
+    path = Path(default_drafter_path())
+    assert (path / "model.safetensors").stat().st_size <= 40 * 1024**2
+    cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()))
+    target = TransformerConfig.from_hf(load_gguf(default_model_path()).hf_config)
+    cfg.check_fits(target)
+    assert cfg.block_size == 16
+
+
+def test_default_drafter_needs_the_default_target(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="default SmolLM2 target"):
+        LLM(str(tmp_path), speculative_config=DEFAULT_SPEC)
+
+
+def test_lossless_and_accepting() -> None:
+    questions = random_questions(3)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    plain = LLM(max_model_len=512).chat(chats, params, use_tqdm=False)
+    llm = LLM(max_model_len=512, speculative_config=DEFAULT_SPEC)
+    fast = llm.chat(chats, params, use_tqdm=False)
+    for p, f in zip(plain, fast, strict=True):
+        assert f.outputs[0].token_ids == p.outputs[0].token_ids
+    # A trained drafter: clearly above the ~1.0 an untrained one gets on real text.
+    assert llm.engine.spec_stats.mean_acceptance_length > 1.15
+
+
+def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
+    llm = LLM(max_model_len=512, speculative_config=DEFAULT_SPEC)
+    question = random_questions(1)[0]
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    seen: list[torch.Tensor] = []
+    drafter = llm.engine.proposer.drafter
+    original = drafter.compute_logits
+    drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    max_new = 32
+    params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    drafter_dir = Path(default_drafter_path())
+    ref_logits = zlab_first_draft_logits(target_hf_dir, drafter_dir, prompt)
+    assert ((seen[0] - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
+    ref_tokens, ref_lengths = zlab_generate(target_hf_dir, drafter_dir, prompt, max_new)
+    assert out.outputs[0].token_ids == ref_tokens
+    # z-lab shortens its last blocks near max_new_tokens: compare the steps with full blocks.
+    generated, full = 1, 0
+    for length in ref_lengths:
+        if max_new - generated + 1 < 16:
+            break
+        generated += length
+        full += 1
+    assert full >= 3
+    assert out.spec_accept_lengths[:full] == ref_lengths[:full]
