@@ -122,8 +122,14 @@ def save_plot(results: list[SetResult], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(results), figsize=(3.2 * len(results), 3), squeeze=False)
-    for ax, r in zip(axes[0], results, strict=True):
+    # One row per temperature, one column per prompt set.
+    temps = sorted({r.temperature for r in results})
+    names = list(dict.fromkeys(r.name for r in results))
+    fig, axes = plt.subplots(
+        len(temps), len(names), figsize=(3.2 * len(names), 2.8 * len(temps)), squeeze=False
+    )
+    for r in results:
+        ax = axes[temps.index(r.temperature)][names.index(r.name)]
         ks = sorted(r.histogram)
         ax.bar(ks, [r.histogram[k] for k in ks])
         ax.set_title(f"{r.name} T={r.temperature:g}\ntau {r.mean_acceptance_length:.2f}, "
