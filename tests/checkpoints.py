@@ -762,6 +762,19 @@ def zlab_generate(
     return generated, [int(n) for n in stats.acceptance_lengths]
 
 
+def zlab_full_block_steps(ref_lengths: list[int], max_new_tokens: int, block_size: int) -> int:
+    """How many leading steps of a ``zlab_generate`` run drafted a full block. z-lab shrinks
+    its block to the tokens still allowed near ``max_new_tokens`` (a non-causal drafter then
+    sees fewer masks and drafts differently), so only these steps compare with our engine."""
+    generated, full = 1, 0
+    for length in ref_lengths:
+        if max_new_tokens - generated + 1 < block_size:
+            break
+        generated += length
+        full += 1
+    return full
+
+
 @torch.inference_mode()
 def zlab_first_draft_logits(
     target_dir: Path, drafter_dir: Path, prompt_ids: list[int]

@@ -16,7 +16,7 @@ from blockdraft.models.dflash import DFlashConfig
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
 from blockdraft.models.model_config import TransformerConfig
 
-from checkpoints import zlab_first_draft_logits, zlab_generate
+from checkpoints import zlab_first_draft_logits, zlab_full_block_steps, zlab_generate
 
 DEFAULT_SPEC = {"method": "dflash", "model": "default"}
 
@@ -93,12 +93,6 @@ def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
     assert ((seen[0] - ref_logits).abs().max() / ref_logits.abs().max()).item() < 1e-4
     ref_tokens, ref_lengths = zlab_generate(target_hf_dir, drafter_dir, prompt, max_new)
     assert out.outputs[0].token_ids == ref_tokens
-    # z-lab shortens its last blocks near max_new_tokens: compare the steps with full blocks.
-    generated, full = 1, 0
-    for length in ref_lengths:
-        if max_new - generated + 1 < 16:
-            break
-        generated += length
-        full += 1
+    full = zlab_full_block_steps(ref_lengths, max_new, block_size=16)
     assert full >= 3
     assert out.spec_accept_lengths[:full] == ref_lengths[:full]

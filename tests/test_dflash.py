@@ -13,6 +13,7 @@ from checkpoints import (
     make_predictable_target,
     make_qwen3_checkpoint,
     zlab_first_draft_logits,
+    zlab_full_block_steps,
     zlab_generate,
 )
 
@@ -183,14 +184,7 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     assert rel < 1e-4
     ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
     assert out.outputs[0].token_ids == ref_tokens
-    # z-lab shrinks its block to the tokens still allowed near the end (a non-causal drafter then
-    # sees fewer masks and drafts differently): compare the steps whose block was full.
-    generated, full_steps = 1, 0
-    for length in ref_lengths:
-        if max_new - generated + 1 < 8:
-            break
-        generated += length
-        full_steps += 1
+    full_steps = zlab_full_block_steps(ref_lengths, max_new, block_size=8)
     assert full_steps >= 3
     assert out.spec_accept_lengths[:full_steps] == ref_lengths[:full_steps]
     if kind == "varying-acceptance":
