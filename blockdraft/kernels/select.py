@@ -15,6 +15,7 @@ all N+1 rows instead of only at the first rejection.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -31,6 +32,7 @@ RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
 
+@functools.cache  # find_spec searches sys.path: once per process, not per call
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
