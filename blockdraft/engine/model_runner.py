@@ -164,26 +164,38 @@ class ModelRunner:
         verify = [i for i, c in enumerate(chunks) if c.num_drafts]
         new_tokens: list[list[int]] = [[] for _ in chunks]
         num_accepted: list[int | None] = [None] * len(chunks)
+        results: list[torch.Tensor] = []  # on the device, read back together
         if decode:
-            seqs = [chunks[i].seq for i in decode]
-            rows, positions = int64_tensors(
-                self.device, [ends[i] - 1 for i in decode], [s.num_tokens for s in seqs]
-            )
-            st = self.sampling.get(seqs, positions)
-            sampled = sample(self.model.compute_logits(hidden[rows]), st).tolist()
-            for i, tok in zip(decode, sampled, strict=True):
-                new_tokens[i] = [tok]
+            results.append(self._sample(decode, [ends[i] for i in decode], chunks, hidden))
         if verify:
             out, accepted = self._verify(
                 [chunks[i] for i in verify], [ends[i] for i in verify], hidden
             )
-            for i, toks, n in zip(verify, out, accepted, strict=True):
-                new_tokens[i], num_accepted[i] = toks[: n + 1], n
+            results += [out.flatten(), accepted]
+        # The step's one device-to-host read (one sync) for decode and verify alike.
+        host = torch.cat(results).tolist() if results else []
+        for i, tok in zip(decode, host[: len(decode)], strict=True):
+            new_tokens[i] = [tok]
+        if verify:
+            q = chunks[verify[0]].num_drafts + 1
+            rows, counts = host[len(decode) : -len(verify)], host[-len(verify) :]
+            for j, (i, n) in enumerate(zip(verify, counts, strict=True)):
+                new_tokens[i], num_accepted[i] = rows[j * q : j * q + n + 1], n
         return StepOutput(new_tokens, num_accepted, features)
+
+    def _sample(
+        self, decode: list[int], ends: list[int], chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> torch.Tensor:  # [len(decode)] int64 next tokens, on the device
+        seqs = [chunks[i].seq for i in decode]
+        rows, positions = int64_tensors(
+            self.device, [e - 1 for e in ends], [s.num_tokens for s in seqs]
+        )
+        st = self.sampling.get(seqs, positions)
+        return sample(self.model.compute_logits(hidden[rows]), st)
 
     def _verify(
         self, chunks: list[ScheduledChunk], ends: list[int], hidden: torch.Tensor
-    ) -> tuple[list[list[int]], list[int]]:
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, N+1], accepted [R], on the device
         n = chunks[0].num_drafts
         seqs = [c.seq for c in chunks]
         # The first draft sits one past the anchor, the last committed token.
@@ -210,9 +222,7 @@ class ModelRunner:
             out, accepted = self._synthetic_verify(logits, drafts)
         else:
             out, accepted = rejection_sample(logits, drafts, draft_probs, st)
-        # One device-to-host read (one sync) for both.
-        host = torch.cat([out, accepted[:, None]], dim=1).tolist()
-        return [row[:-1] for row in host], [row[-1] for row in host]
+        return out, accepted
 
     def _synthetic_verify(
         self,
