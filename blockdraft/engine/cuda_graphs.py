@@ -111,11 +111,16 @@ class CUDAGraphRunner:
         slot_mapping: torch.Tensor,  # [R * q] int64 (host)
         seq_lens: torch.Tensor,  # [R] int64 (host)
         block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host)
+        device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
     ) -> object:
+        """`device_ids` are input ids only the device holds (a verify's drafts): written over
+        those rows of the input buffer there, after the host's ids."""
         num_seqs = seq_lens.shape[0]
         batch = next(b for b in self.batch_sizes if b >= num_seqs)
         rows, pad_rows = num_seqs * self.query_len, batch * self.query_len
         self.input_ids[:rows].copy_(input_ids, non_blocking=True)
+        if device_ids is not None:
+            self.input_ids.index_copy_(0, *device_ids)
         self.positions[:rows].copy_(positions, non_blocking=True)
         self.slot_mapping[:rows].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)

@@ -23,7 +23,7 @@ from blockdraft.engine.model_runner import (
 )
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
-from blockdraft.engine.sequence import Sequence
+from blockdraft.engine.sequence import DraftBatch, PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.kernels.forward_context import slots_for_positions
 from blockdraft.models.decoder import DecoderLM
@@ -289,7 +289,7 @@ class LLMEngine:
             if accepted is not None:
                 self.spec_stats.record(accepted)
                 seq.num_computed_tokens = chunk.start + 1 + accepted
-                seq.draft_token_ids, seq.draft_probs = [], None
+                seq.drafts = None
             else:
                 seq.num_computed_tokens = chunk.start + len(chunk.token_ids)
             if not tokens:
@@ -334,9 +334,10 @@ class LLMEngine:
         anchor_positions = [s.num_tokens - 1 for s in seqs]
         (positions,) = int64_tensors(self.device, [p + 1 for p in anchor_positions])
         st = self.runner.sampling.get(seqs, positions)
-        drafts, probs = self.proposer.propose(
+        tokens, probs = self.proposer.propose(
             [s.token_ids[-1] for s in seqs], anchor_positions, [s.block_table for s in seqs], st
         )
-        for i, (seq, tokens) in enumerate(zip(seqs, drafts, strict=True)):
-            seq.draft_token_ids = tokens
-            seq.draft_probs = probs[i] if probs is not None and seq.params.temperature > 0 else None
+        # The drafts stay on the device; each request keeps its row for the next verify.
+        batch = DraftBatch(tokens, probs)
+        for i, seq in enumerate(seqs):
+            seq.drafts = PendingDrafts(batch, i)

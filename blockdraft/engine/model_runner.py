@@ -11,7 +11,7 @@ import torch
 
 from blockdraft.engine.cuda_graphs import CUDAGraphRunner
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.engine.sequence import Sequence
+from blockdraft.engine.sequence import DraftBatch, Sequence
 from blockdraft.kernels.forward_context import (
     build_attention_metadata,
     flat_slots,
@@ -62,10 +62,12 @@ def run_forward(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device,
+    device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
 ) -> object:
     """One forward over a flat batch: replays a CUDA graph when every request has the same
     number of rows and one was captured for it, else runs eagerly. Outputs are sliced to the
-    real rows."""
+    real rows. `device_ids` are input ids only the device holds (the drafts a verify checks):
+    they are written over those flat rows' placeholders there, so the host never reads them."""
     query_lens = [len(t) for t in token_ids]
     flat_ids = [t for ids in token_ids for t in ids]
     positions = [s + i for s, n in zip(starts, query_lens, strict=True) for i in range(n)]
@@ -78,12 +80,15 @@ def run_forward(
         ids, pos, slot_mapping, lens = host_int64(flat_ids + positions + slots + seq_lens).split(
             [rows, rows, rows, len(seq_lens)]
         )
-        out = graph.run(ids, pos, slot_mapping, lens, host_int64(padded_block_tables(block_tables)))
+        tables = host_int64(padded_block_tables(block_tables))
+        out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids)
         if isinstance(out, tuple):
             return tuple(o[:rows] if o is not None else None for o in out)
         return out[:rows]
     meta = build_attention_metadata(block_tables, starts, query_lens, block_size, device)
     ids, pos = int64_tensors(device, flat_ids, positions)
+    if device_ids is not None:
+        ids.index_copy_(0, *device_ids)
     with forward_context(meta):
         return module(ids, pos)
 
@@ -107,6 +112,70 @@ def sampling_tensors(
         position=positions,
         device=device,
     )
+
+
+@dataclass
+class VerifyInputs:
+    """A verify batch's device inputs, prepared before the forward: its drafts are input ids
+    that only the device holds."""
+
+    logit_rows: torch.Tensor  # [R * (N+1)] int64: flat rows of each anchor and its drafts
+    draft_rows: torch.Tensor  # [R * N] int64: flat rows whose input id is a draft
+    drafts: torch.Tensor  # [R, N] int64
+    draft_probs: torch.Tensor | None  # [R, N, V] float32; None => drafts are one-hot
+    st: SamplingTensors  # one row per request; position = first draft position
+
+
+def shared_draft_batch(seqs: list[Sequence]) -> tuple[DraftBatch | None, list[int]]:
+    """The one DraftBatch holding every request's drafts (None when they span several), and
+    the rows to take from it ([] when it is taken whole, in order: the usual step, where the
+    requests proposed last step are verified now)."""
+    batch = seqs[0].drafts.batch
+    if any(s.drafts.batch is not batch for s in seqs):
+        return None, []
+    rows = [s.drafts.row for s in seqs]
+    return batch, [] if rows == list(range(batch.tokens.shape[0])) else rows
+
+
+def gather_drafts(
+    seqs: list[Sequence],
+    batch: DraftBatch | None,  # shared by every request, from shared_draft_batch
+    rows: torch.Tensor | None,  # [R] int64 on the device: rows of `batch`; None => all, in order
+    need_probs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
+    """Each request's pending drafts, gathered on the device (no sync)."""
+    if batch is not None:
+        probs = batch.probs if need_probs else None
+        if rows is None:
+            return batch.tokens, probs
+        return batch.tokens.index_select(0, rows), (
+            None if probs is None else probs.index_select(0, rows)
+        )
+    return stack_drafts(seqs, need_probs)
+
+
+def stack_drafts(
+    seqs: list[Sequence], need_probs: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
+    """Drafts from several propose steps: a request whose verify did not fit the token budget
+    kept the drafts of an earlier step."""
+    pending = [s.drafts for s in seqs]
+    tokens = torch.stack([d.batch.tokens[d.row] for d in pending])
+    if not need_probs or all(d.batch.probs is None for d in pending):
+        return tokens, None
+    vocab = next(d.batch.probs.shape[-1] for d in pending if d.batch.probs is not None)
+    # A request proposed in an all-greedy batch has no probabilities: its drafts are one-hot.
+    probs = [
+        d.batch.probs[d.row] if d.batch.probs is not None else one_hot_f32(t, vocab)
+        for d, t in zip(pending, tokens, strict=True)
+    ]
+    return tokens, torch.stack(probs)
+
+
+def one_hot_f32(tokens: torch.Tensor, vocab: int) -> torch.Tensor:  # tokens [N] -> [N, V] f32
+    # By scatter: F.one_hot checks its values on the host (a sync) on some devices.
+    out = torch.zeros(len(tokens), vocab, dtype=torch.float32, device=tokens.device)
+    return out.scatter_(1, tokens[:, None], 1.0)
 
 
 class SamplingTensorCache:
@@ -150,6 +219,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
         query_lens = [len(c.token_ids) for c in chunks]
+        ends = list(itertools.accumulate(query_lens))
+        decode = [i for i, c in enumerate(chunks) if c.completes and not c.num_drafts]
+        verify = [i for i, c in enumerate(chunks) if c.num_drafts]
+        prepared = None
+        if verify:
+            prepared = self._prepare_verify([chunks[i] for i in verify], [ends[i] for i in verify])
         hidden, features = run_forward(
             self.model,
             self.graphs,
@@ -158,21 +233,18 @@ class ModelRunner:
             [c.seq.block_table for c in chunks],
             self.block_size,
             self.device,
+            None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten()),
         )
-        ends = list(itertools.accumulate(query_lens))
-        decode = [i for i, c in enumerate(chunks) if c.completes and not c.num_drafts]
-        verify = [i for i, c in enumerate(chunks) if c.num_drafts]
         new_tokens: list[list[int]] = [[] for _ in chunks]
         num_accepted: list[int | None] = [None] * len(chunks)
         results: list[torch.Tensor] = []  # on the device, read back together
         if decode:
             results.append(self._sample(decode, [ends[i] for i in decode], chunks, hidden))
-        if verify:
-            out, accepted = self._verify(
-                [chunks[i] for i in verify], [ends[i] for i in verify], hidden
-            )
+        if prepared is not None:
+            out, accepted = self._verify(prepared, hidden)
             results += [out.flatten(), accepted]
-        # The step's one device-to-host read (one sync) for decode and verify alike.
+        # The step's one device-to-host read (one sync) for decode and verify alike; the
+        # drafts proposed after it stay on the device.
         host = torch.cat(results).tolist() if results else []
         for i, tok in zip(decode, host[: len(decode)], strict=True):
             new_tokens[i] = [tok]
@@ -193,36 +265,33 @@ class ModelRunner:
         st = self.sampling.get(seqs, positions)
         return sample(self.model.compute_logits(hidden[rows]), st)
 
-    def _verify(
-        self, chunks: list[ScheduledChunk], ends: list[int], hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, N+1], accepted [R], on the device
+    def _prepare_verify(self, chunks: list[ScheduledChunk], ends: list[int]) -> VerifyInputs:
         n = chunks[0].num_drafts
         seqs = [c.seq for c in chunks]
-        # The first draft sits one past the anchor, the last committed token.
-        rows, drafts, positions = int64_tensors(
+        batch, batch_rows = shared_draft_batch(seqs)
+        # One transfer for the host-built indices. The first draft sits one past the anchor,
+        # the last committed token.
+        logit_rows, draft_rows, positions, rows = int64_tensors(
             self.device,
             [e - n - 1 + j for e in ends for j in range(n + 1)],
-            [t for s in seqs for t in s.draft_token_ids],
+            [e - n + j for e in ends for j in range(n)],
             [c.start + 1 for c in chunks],
+            batch_rows,
         )
-        drafts = drafts.view(len(chunks), n)
-        logits = self.model.compute_logits(hidden[rows]).view(len(chunks), n + 1, -1)
-        draft_probs = None
-        if any(s.draft_probs is not None for s in seqs):
-            draft_probs = torch.stack(
-                [
-                    s.draft_probs
-                    if s.draft_probs is not None
-                    else torch.nn.functional.one_hot(d, logits.shape[-1]).float()
-                    for s, d in zip(seqs, drafts, strict=True)
-                ]
-            )
         st = self.sampling.get(seqs, positions)
+        # Greedy verification and the synthetic benchmark mode never read draft probabilities.
+        need_probs = not st.all_greedy and self.synthetic_acceptance_rate is None
+        drafts, probs = gather_drafts(seqs, batch, rows if batch_rows else None, need_probs)
+        return VerifyInputs(logit_rows, draft_rows, drafts.to(torch.int64), probs, st)
+
+    def _verify(
+        self, v: VerifyInputs, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, N+1], accepted [R], on the device
+        num_rows, n = v.drafts.shape
+        logits = self.model.compute_logits(hidden[v.logit_rows]).view(num_rows, n + 1, -1)
         if self.synthetic_acceptance_rate is not None:
-            out, accepted = self._synthetic_verify(logits, drafts)
-        else:
-            out, accepted = rejection_sample(logits, drafts, draft_probs, st)
-        return out, accepted
+            return self._synthetic_verify(logits, v.drafts)
+        return rejection_sample(logits, v.drafts, v.draft_probs, v.st)
 
     def _synthetic_verify(
         self,

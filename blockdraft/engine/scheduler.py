@@ -20,8 +20,9 @@ from blockdraft.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
-    token_ids: list[int]  # tokens at positions start .. start+len-1 (verify rows included)
-    num_drafts: int  # trailing tokens that are drafts to verify
+    # Tokens at positions start .. start+len-1, verify rows included (as DRAFT_PLACEHOLDER).
+    token_ids: list[int]
+    num_drafts: int  # trailing rows that are drafts to verify
 
     @property
     def completes(self) -> bool:
@@ -72,7 +73,7 @@ class Scheduler:
             seq = self.running[i]
             pending = seq.tokens_to_compute()
             num_new = len(pending)
-            if seq.draft_token_ids:
+            if seq.drafts is not None:
                 if num_new > budget:  # a verify block is never split
                     break
             else:
@@ -89,7 +90,7 @@ class Scheduler:
                         seq,
                         seq.num_computed_tokens,
                         pending[:num_new],
-                        len(seq.draft_token_ids),
+                        seq.num_drafts,
                     )
                 )
                 budget -= num_new

@@ -3,11 +3,30 @@ blocks, and the drafts waiting to be verified."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum, auto
 
 import torch
 
 from blockdraft.sampling_params import SamplingParams
+
+# The input id of a verify row whose draft lives on the device: the model runner overwrites it
+# with the draft there, so the host never reads the drafts back.
+DRAFT_PLACEHOLDER = 0
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """One propose step's drafts, left on the device; each proposed request holds its row."""
+
+    tokens: torch.Tensor  # [R, N] int64
+    probs: torch.Tensor | None  # [R, N, V] float32; None when every request was greedy
+
+
+@dataclass(frozen=True)
+class PendingDrafts:
+    batch: DraftBatch
+    row: int
 
 
 class SequenceStatus(Enum):
@@ -41,8 +60,7 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.last_block_hash: int | None = None  # of the last one's key: the next one's parent
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
-        self.draft_token_ids: list[int] = []  # proposed, verified in the next step
-        self.draft_probs: torch.Tensor | None = None  # [N, vocab] when drafts were sampled
+        self.drafts: PendingDrafts | None = None  # proposed, verified when next scheduled
         self.spec_accept_lengths: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
@@ -64,14 +82,18 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.drafts is None else self.drafts.batch.tokens.shape[1]
+
     def tokens_to_compute(self) -> list[int]:
-        """Tokens not yet in the KV cache, then the pending drafts (a verify row each)."""
-        return self.token_ids[self.num_computed_tokens :] + self.draft_token_ids
+        """Tokens not yet in the KV cache, then a verify row per pending draft (placeholders:
+        the drafts themselves stay on the device)."""
+        return self.token_ids[self.num_computed_tokens :] + [DRAFT_PLACEHOLDER] * self.num_drafts
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0
         self.last_block_hash = None
-        self.draft_token_ids = []
-        self.draft_probs = None
+        self.drafts = None
         self.status = SequenceStatus.WAITING

@@ -78,14 +78,14 @@ class DFlashProposer:
         anchor_positions: list[int],
         block_tables: list[list[int]],
         st: SamplingTensors,  # one row per request, position = anchor position + 1
-    ) -> tuple[list[list[int]], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R, N] int64, probs [R, N, V]
         """Returns N draft tokens per request, and their probabilities [R, N, V] when any
-        request samples (None when all are greedy)."""
+        request samples (None when all are greedy). Both stay on the device: the next verify
+        reads them there, so proposing costs no host readback."""
         n, q = self.num_spec, self.num_spec + 1
         mask_id = self.drafter.cfg.mask_token_id
         blocks = [[a] + [mask_id] * n for a in anchors]
         hidden = self.run_forward(blocks, anchor_positions, block_tables)  # [R * q, hidden]
         draft_hidden = hidden.view(len(anchors), q, -1)[:, 1:]  # [R, N, hidden]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(len(anchors), n, -1)
-        tokens, probs = sample_drafts(logits, st)
-        return tokens.tolist(), probs
+        return sample_drafts(logits, st)
