@@ -325,3 +325,98 @@ def test_requests_run_to_max_model_len_in_a_minimal_pool(agreeing_pair, rng) -> 
     ar = LLM(str(target), **engine_args).generate([prompt], params, use_tqdm=False)[0]
     assert finished[0].outputs[0].token_ids == ar.outputs[0].token_ids
     assert len(prompt) + len(ar.outputs[0].token_ids) == 40
+
+
+# Every way a tensor's values reach the host (each one a sync on a GPU).
+READBACKS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def count_readbacks(monkeypatch) -> list[str]:
+    """Patches torch.Tensor's host readbacks to record their names in the returned list."""
+    calls: list[str] = []
+    for name in READBACKS:
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return calls
+
+
+def run_counting_readbacks(engine, arrivals: dict[int, list], monkeypatch) -> dict:
+    """Steps the engine to the end, adding arrivals[step] = [(id, prompt, params)] before
+    that step; asserts each step read the device back once if it produced tokens (the
+    verify or sample result the scheduler needs), never otherwise."""
+    calls = count_readbacks(monkeypatch)
+    outputs, step = {}, 0
+    while engine.has_unfinished_requests() or arrivals:
+        for request in arrivals.pop(step, []):
+            engine.add_request(*request)
+        calls.clear()
+        produced = engine.step()
+        assert len(calls) == (1 if produced else 0), (step, calls)
+        outputs.update({o.request_id: o for o in produced if o.finished})
+        step += 1
+    monkeypatch.undo()
+    return outputs
+
+
+def spy_draft_gathers(monkeypatch) -> list[str]:
+    """Records how each verify found its drafts (see model_runner.gather_drafts)."""
+    from blockdraft.engine import model_runner
+
+    kinds: list[str] = []
+    original = model_runner.shared_draft_batch
+
+    def spy(seqs):
+        batch, rows = original(seqs)
+        kinds.append("stacked" if batch is None else "indexed" if rows else "whole")
+        return batch, rows
+
+    monkeypatch.setattr(model_runner, "shared_draft_batch", spy)
+    return kinds
+
+
+def test_one_host_readback_per_speculative_step(agreeing_pair, monkeypatch, rng) -> None:
+    """The drafts stay on the device: a speculative step reads back only the verified tokens,
+    for one request and for a batch that requests join and leave mid-run, with chunked
+    prefill (a verify that does not fit waits, keeping older drafts) and a sampled request
+    (draft probabilities) among greedy ones. Greedy outputs match plain decoding and the
+    agreeing drafter stays accepted, so every request verified its own drafts."""
+    target, drafter = agreeing_pair
+    prompts = prompts_for(target, rng)
+    greedy = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 30, 40)]
+    sampled = SamplingParams(temperature=0.8, max_tokens=21, ignore_eos=True, seed=3)
+
+    llm = LLM(str(target), speculative_config=spec(drafter, 3))
+    (out,) = run_counting_readbacks(
+        llm.engine, {0: [("a", prompts[2], greedy[1])]}, monkeypatch
+    ).values()
+    ar = LLM(str(target)).generate([prompts[2]], greedy[1], use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == ar.outputs[0].token_ids
+    assert len(out.spec_accept_lengths) > 3
+
+    kw = dict(max_num_batched_tokens=20)
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), **kw)
+    gathers = spy_draft_gathers(monkeypatch)
+    # Two 8-row verifies fit the budget of 20, a third waits for one of them to finish.
+    arrivals = {
+        0: [("g0", prompts[0], greedy[2]), ("g1", prompts[1], greedy[0]),
+            ("s", prompts[2], sampled)],
+        3: [("g2", prompts[3], greedy[1])],
+        6: [("g3", prompts[4], greedy[1])],
+    }
+    expected = {r[0]: (r[1], r[2]) for rs in arrivals.values() for r in rs if r[0] != "s"}
+    outs = run_counting_readbacks(llm.engine, arrivals, monkeypatch)
+    assert sorted(outs) == ["g0", "g1", "g2", "g3", "s"]
+    # The previous step's drafts taken whole, a subset of them, and drafts of several steps.
+    assert set(gathers) == {"whole", "indexed", "stacked"}, gathers
+    assert len(outs["s"].outputs[0].token_ids) == 21
+    ar = LLM(str(target), **kw)
+    for rid, (prompt, params) in expected.items():
+        want = ar.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert outs[rid].outputs[0].token_ids == want, rid
+        lengths = outs[rid].spec_accept_lengths
+        assert sum(lengths[:-1]) >= 0.8 * 8 * len(lengths[:-1]), (rid, lengths)
