@@ -219,9 +219,10 @@ def test_sampling_is_lossless(random_pair) -> None:
         assert p_value > 1e-3, (position, table)
 
 
-def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path) -> None:
+def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path, monkeypatch) -> None:
     """Benchmark mode: a target and drafter built from config.json alone, with a fixed per-draft
-    acceptance probability, give the expected mean acceptance length."""
+    acceptance probability, give the expected mean acceptance length; a step still reads the
+    device back once."""
     import json
 
     from benchmarks.common import write_dummy_drafter
@@ -235,9 +236,10 @@ def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path) -> None:
     rate, n = 0.7, 7
     llm = LLM(str(tmp_path / "target"), load_format="dummy", speculative_config={
         **spec(drafter, n), "synthetic_acceptance_rate": rate})
-    outs = llm.generate([[5, 6, 7]] * 16, SamplingParams(temperature=0, max_tokens=64,
-                                                        ignore_eos=True), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 64 for o in outs)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    requests = [(str(i), [5, 6, 7], params) for i in range(16)]
+    outs = run_counting_readbacks(llm.engine, {0: requests}, monkeypatch).values()
+    assert len(outs) == 16 and all(len(o.outputs[0].token_ids) == 64 for o in outs)
     expected = sum(rate**k for k in range(n + 1))  # E[accepted + 1] for a geometric run
     assert abs(llm.engine.spec_stats.mean_acceptance_length - expected) < 0.35
 
