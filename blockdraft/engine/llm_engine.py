@@ -17,7 +17,6 @@ from blockdraft.engine.model_runner import (
     ModelRunner,
     StepOutput,
     allocate_kv_cache,
-    int64_tensors,
     kv_bytes_per_block,
     run_forward,
 )
@@ -25,7 +24,7 @@ from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import DraftBatch, PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
-from blockdraft.kernels.forward_context import slots_for_positions
+from blockdraft.kernels.forward_context import int64_tensors, slots_for_positions
 from blockdraft.models.decoder import DecoderLM
 from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (

@@ -17,6 +17,7 @@ from blockdraft.kernels.forward_context import (
     flat_slots,
     forward_context,
     host_int64,
+    int64_tensors,
     padded_block_tables,
 )
 from blockdraft.layers.attention import PagedAttention
@@ -91,13 +92,6 @@ def run_forward(
         ids.index_copy_(0, *device_ids)
     with forward_context(meta):
         return module(ids, pos)
-
-
-def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
-    """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
-    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer."""
-    flat = host_int64(list(itertools.chain(*parts)))
-    return list(flat.to(device, non_blocking=True).split([len(p) for p in parts]))
 
 
 def sampling_tensors(

@@ -66,6 +66,13 @@ def host_int64(values: list) -> torch.Tensor:  # [len(values)] or [rows, cols] i
     return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
+def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
+    """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
+    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer."""
+    flat = host_int64([v for part in parts for v in part])
+    return list(flat.to(device, non_blocking=True).split([len(p) for p in parts]))
+
+
 def slots_for_positions(block_table: list[int], positions: range, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 

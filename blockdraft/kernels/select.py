@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
@@ -30,6 +31,23 @@ StoreKVFn = Callable[..., None]
 RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
+
+Fn = TypeVar("Fn")
+
+
+class PerDevice(Generic[Fn]):
+    """A backend getter resolved once per device, for modules that need their kernel on every
+    forward. Per instance, not cached process-wide: the choice reads the environment, which
+    tests change between engines."""
+
+    def __init__(self, getter: Callable[[torch.device], Fn]) -> None:
+        self.getter = getter
+        self._resolved: tuple[torch.device, Fn] | None = None
+
+    def __call__(self, device: torch.device) -> Fn:
+        if self._resolved is None or self._resolved[0] != device:
+            self._resolved = (device, self.getter(device))
+        return self._resolved[1]
 
 
 @functools.cache  # find_spec searches sys.path: once per process, not per call

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.forward_context import get_attention_metadata
-from blockdraft.kernels.select import get_attention_backend, get_store_kv_backend
+from blockdraft.kernels.select import PerDevice, get_attention_backend, get_store_kv_backend
 
 
 class PagedAttention(nn.Module):
@@ -26,7 +26,9 @@ class PagedAttention(nn.Module):
         # Bound by the runner once the KV pool is allocated.
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.value_cache: torch.Tensor | None = None
-        self._backend: tuple | None = None
+        # Triton on CUDA, the torch twin elsewhere; resolved once per device.
+        self._store_kv = PerDevice(get_store_kv_backend)
+        self._attention = PerDevice(get_attention_backend)
 
     def forward(
         self,
@@ -35,11 +37,9 @@ class PagedAttention(nn.Module):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         meta = get_attention_metadata()
-        if self._backend is None:  # resolved once: Triton on CUDA, the torch twin elsewhere
-            device = query.device
-            self._backend = (get_store_kv_backend(device), get_attention_backend(device))
-        store_kv, paged_attention = self._backend
-        store_kv(key, value, self.key_cache, self.value_cache, meta.slot_mapping)
-        return paged_attention(
+        self._store_kv(query.device)(
+            key, value, self.key_cache, self.value_cache, meta.slot_mapping
+        )
+        return self._attention(query.device)(
             query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window
         )

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.rmsnorm import rms_norm_torch
-from blockdraft.kernels.select import RMSNormFn, get_rms_norm_backend
+from blockdraft.kernels.select import PerDevice, RMSNormFn, get_rms_norm_backend
 
 
 class RMSNorm(nn.Module):
@@ -15,7 +15,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self._backend: tuple[torch.device, RMSNormFn] | None = None
+        self._backend = PerDevice(get_rms_norm_backend)  # Triton on CUDA, else torch
 
     def forward(
         self,
@@ -30,7 +30,4 @@ class RMSNorm(nn.Module):
             return rms_norm_torch  # training: the Triton kernel has no backward
         if residual is not None and residual.dtype != x.dtype:
             return rms_norm_torch  # mixed dtypes (autocast): the kernel wants one dtype
-        if self._backend is None or self._backend[0] != x.device:
-            # Resolved once per device: Triton on CUDA, the torch twin elsewhere.
-            self._backend = (x.device, get_rms_norm_backend(x.device))
-        return self._backend[1]
+        return self._backend(x.device)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from blockdraft.kernels.select import StoreKVFn, get_store_kv_backend
+from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -137,7 +137,7 @@ class DFlashDrafter(nn.Module):
         # Shared with the target (and frozen) unless the checkpoint ships its own.
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
-        self._store_kv: tuple[torch.device, StoreKVFn] | None = None
+        self._store_kv = PerDevice(get_store_kv_backend)  # the kernel the layers use
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -150,10 +150,7 @@ class DFlashDrafter(nn.Module):
         slot_mapping: torch.Tensor,  # [num_ctx] int64
     ) -> None:
         ctx = self.hidden_norm(self.fc(features))
-        if self._store_kv is None or self._store_kv[0] != features.device:
-            # The same kernel the layers use, resolved once (not on every step).
-            self._store_kv = (features.device, get_store_kv_backend(features.device))
-        store_kv = self._store_kv[1]
+        store_kv = self._store_kv(features.device)
         for layer in self.layers:
             attn = layer.self_attn
             key, value = attn.project_kv(ctx, positions)

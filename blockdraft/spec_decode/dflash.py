@@ -21,7 +21,7 @@ import torch
 from blockdraft.kernels.forward_context import (
     build_attention_metadata,
     forward_context,
-    host_int64,
+    int64_tensors,
 )
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash import DFlashDrafter
@@ -67,9 +67,7 @@ class DFlashProposer:
     ) -> None:
         if not rows:
             return
-        # One host tensor and one transfer for the three.
-        flat = host_int64(rows + positions + slots).to(self.device, non_blocking=True)
-        index, position, slot_mapping = flat.split(len(rows))
+        index, position, slot_mapping = int64_tensors(self.device, rows, positions, slots)
         self.drafter.write_context(features.index_select(0, index), position, slot_mapping)
 
     def propose(
