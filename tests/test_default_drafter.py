@@ -37,9 +37,15 @@ def random_questions(count: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def target_hf_dir(tmp_path_factory) -> Path:
+def target_gguf():
+    """The embedded target's checkpoint (config, tokenizer, dequantized tensors), read once."""
+    return load_gguf(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def target_hf_dir(tmp_path_factory, target_gguf) -> Path:
     """The default GGUF target written as a transformers checkpoint (for z-lab's loop)."""
-    ckpt = load_gguf(default_model_path())
+    ckpt = target_gguf
     cfg = {k: v for k, v in ckpt.hf_config.items() if k != "architectures"}
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     model.load_state_dict(ckpt.state_dict, strict=False)
@@ -49,11 +55,11 @@ def target_hf_dir(tmp_path_factory) -> Path:
     return out
 
 
-def test_shipped_drafter_fits_the_default_target() -> None:
+def test_shipped_drafter_fits_the_default_target(target_gguf) -> None:
     path = Path(default_drafter_path())
     assert (path / "model.safetensors").stat().st_size <= 40 * 1024**2
     cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()))
-    target = TransformerConfig.from_hf(load_gguf(default_model_path()).hf_config)
+    target = TransformerConfig.from_hf(target_gguf.hf_config)
     cfg.check_fits(target)
     assert cfg.block_size == 16
 
