@@ -33,15 +33,18 @@ from blockdraft.kernels.forward_context import (  # noqa: E402
     slots_for_positions,
 )
 from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
+from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch  # noqa: E402
+from blockdraft.kernels.triton_activation import triton_silu_mul  # noqa: E402
 from blockdraft.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     triton_paged_attention,
 )
 from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
+from blockdraft.kernels.triton_rope import triton_qk_norm_rope  # noqa: E402
 from blockdraft.layers.norm import RMSNorm  # noqa: E402
 from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
-from blockdraft.models.decoder import DecoderLayer, final_norm  # noqa: E402
+from blockdraft.models.decoder import MLP, DecoderLayer, final_norm  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint  # noqa: E402
@@ -366,6 +369,135 @@ def test_rms_norm_matches_layer(rng, monkeypatch, dtype: torch.dtype) -> None:
     assert x.grad is not None
 
 
+# --- q/k norm + RoPE, SiLU-and-multiply ----------------------------------------------------
+
+OptTensor = torch.Tensor | None
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)  # a bf16 ulp or two (the interpreter truncates casts)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return dict(atol=ATOL, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+
+
+def eager_rotate(rotary: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`RotaryEmbedding.rotate` as written before the fused kernel: the numerics to keep."""
+    cos = rotary.cos_cache[positions][:, None, :]
+    sin = rotary.sin_cache[positions][:, None, :]
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def qk_case(
+    rng: torch.Generator,
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    with_norm: bool,
+) -> tuple[RotaryEmbedding, torch.Tensor, torch.Tensor, torch.Tensor, OptTensor, OptTensor]:
+    """(rotary, query, key, positions, q_norm_weight, k_norm_weight): strided q and k sliced
+    from one fused qkv projection, positions over the whole table, norm weights around 1 (or
+    None: Llama)."""
+    rotary = RotaryEmbedding(head_dim, 50, 10000.0).to(DEVICE)
+    qkv = randn(rng, num_tokens, num_heads + 2 * num_kv_heads, head_dim).to(dtype)
+    query, key = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    positions = torch.randint(0, 50, (num_tokens,), generator=rng).to(DEVICE)
+    weights = [(1 + 0.1 * randn(rng, head_dim)).to(dtype) if with_norm else None for _ in "qk"]
+    return rotary, query, key, positions, *weights
+
+
+# (head_dim, num_heads, num_kv_heads, block_h): GQA 2 and 3, MHA; head_dims 80 and 96 are no
+# power of two (their halves padded to 64); block_h 2 over 3 heads leaves a partial block.
+ROPE_SHAPES = [(64, 4, 2, None), (80, 3, 1, 2), (96, 2, 2, None), (128, 2, 1, None)]
+
+
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bh{}".format(*s))
+@pytest.mark.parametrize("num_tokens", [0, 1, 5])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm-rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qk_norm_rope(
+    rng, shape: tuple, num_tokens: int, with_norm: bool, dtype: torch.dtype
+) -> None:
+    head_dim, num_heads, num_kv_heads, block_h = shape
+    rotary, query, key, positions, q_w, k_w = qk_case(
+        rng, num_tokens, num_heads, num_kv_heads, head_dim, dtype, with_norm
+    )
+    caches = (rotary.cos_cache, rotary.sin_cache)
+    expected = qk_norm_rope_torch(query, key, positions, *caches, q_w, k_w, 1e-6)
+    got = triton_qk_norm_rope(query, key, positions, *caches, q_w, k_w, 1e-6, block_h=block_h)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g, e, **tolerance(dtype))
+    # Keys alone (the drafter's context K): the same keys, no query.
+    q_none, k_only = triton_qk_norm_rope(None, key, positions, *caches, None, k_w, 1e-6)
+    assert q_none is None
+    torch.testing.assert_close(k_only, expected[1], **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_qk_norm_rope_matches_layers(rng, monkeypatch, dtype: torch.dtype) -> None:
+    """The twin is bit-identical to the norm modules + the old rotate; the Triton path of the
+    layer is close, and training (grad) falls back to the twin."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    rotary, query, key, positions, q_w, k_w = qk_case(rng, 6, 4, 2, 48, dtype, True)
+    q_norm, k_norm = RMSNorm(48, eps=1e-5).to(DEVICE, dtype), RMSNorm(48, eps=1e-5)
+    k_norm = k_norm.to(DEVICE, dtype)
+    q_norm.weight.data, k_norm.weight.data = q_w, k_w
+    expected = (
+        eager_rotate(rotary, positions, q_norm(query)),
+        eager_rotate(rotary, positions, k_norm(key)),
+    )
+    got = rotary(positions, query, key, q_w, k_w, 1e-5)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    assert torch.equal(rotary(positions, query, key)[0], eager_rotate(rotary, positions, query))
+    assert torch.equal(rotary.rotate(positions, key), eager_rotate(rotary, positions, key))
+    # float32 norm weights over bf16 heads (autocast training) give float32 heads, as before.
+    _, mixed = qk_norm_rope_torch(
+        None, key, positions, rotary.cos_cache, rotary.sin_cache, None, k_w.float(), 1e-5
+    )
+    assert mixed.dtype == torch.float32
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    triton_rotary = RotaryEmbedding(48, 50, 10000.0).to(DEVICE)
+    got = triton_rotary(positions, query, key, q_w, k_w, 1e-5)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, **tolerance(dtype))
+    with torch.enable_grad():
+        q_w.requires_grad_(True)
+        triton_rotary(positions, query, key, q_w, k_w, 1e-5)[0].float().sum().backward()
+    assert q_w.grad is not None
+
+
+@pytest.mark.parametrize("num_rows", [0, 1, 5])
+@pytest.mark.parametrize("cols", [80, 1300])  # 1300: two column blocks, the last partial
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_silu_mul(rng, num_rows: int, cols: int, dtype: torch.dtype) -> None:
+    # Strided halves, as of a fused gate_up projection.
+    gate_up = (2 * randn(rng, num_rows, 2 * cols)).to(dtype)
+    gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    expected = silu_mul_torch(gate, up)
+    # The twin is the eager MLP's expression, bit for bit.
+    assert torch.equal(expected, torch.nn.functional.silu(gate) * up)
+    got = triton_silu_mul(gate, up)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, **tolerance(dtype))
+
+
+def test_mlp_backends(rng, monkeypatch) -> None:
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    with torch.device(DEVICE):
+        mlp = MLP(24, 40)
+    x = randn(rng, 3, 24)
+    expected = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), expected, atol=ATOL, rtol=1e-5)
+    # Training keeps the torch path: the kernel has no backward.
+    mlp(x).sum().backward()
+    assert mlp.gate_proj.weight.grad is not None
+
+
 # --- decoder layers: residual adds fused into the norms ------------------------------------
 
 
@@ -455,7 +587,8 @@ def test_decoder_layers_fused_residual_norm(
     if backend == "torch":  # today's numerics, bit for bit
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
         return
-    # Every norm but the first input norm (no residual yet) and the q/k norms fused an add.
+    # Every norm but the first input norm (no residual yet) fused an add; the q/k norms run
+    # inside the RoPE kernel's torch twin here (only the RMSNorm modules switch backend).
     assert fused_calls.count(True) == 2 * len(layers)
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
@@ -580,10 +713,14 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_attention_backend(DEVICE) is paged_attention
     assert select.get_store_kv_backend(DEVICE) is store_kv
     assert select.get_rms_norm_backend(DEVICE) is rms_norm_torch
+    assert select.get_rope_backend(DEVICE) is qk_norm_rope_torch
+    assert select.get_silu_mul_backend(DEVICE) is silu_mul_torch
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
     assert select.get_rms_norm_backend(DEVICE) is triton_rms_norm
+    assert select.get_rope_backend(DEVICE) is triton_qk_norm_rope
+    assert select.get_silu_mul_backend(DEVICE) is triton_silu_mul
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected
@@ -643,7 +780,9 @@ def test_engine_greedy_same_with_triton_kernels(
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     expected = generate("torch")
-    calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0}
+    calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
+    if speculative:
+        calls["rope keys only"] = 0  # the drafter's context K (project_kv)
 
     def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
         calls["attention"] += 1
@@ -657,8 +796,20 @@ def test_engine_greedy_same_with_triton_kernels(
     monkeypatch.setattr(
         "blockdraft.kernels.triton_attention.triton_paged_attention", counting_attention
     )
+
+    def counting_rope(*args: object, **kwargs: object) -> object:
+        calls["rope" if args[0] is not None else "rope keys only"] += 1
+        return triton_qk_norm_rope(*args, **kwargs)
+
+    def counting_silu_mul(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["silu"] += 1
+        return triton_silu_mul(*args, **kwargs)
+
     monkeypatch.setattr("blockdraft.kernels.triton_rmsnorm.triton_rms_norm", counting_norm)
+    monkeypatch.setattr("blockdraft.kernels.triton_rope.triton_qk_norm_rope", counting_rope)
+    monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
     got = generate("triton")
-    # Plain norms (q/k norms, the first input norm) and residual-fused ones all ran in Triton.
+    # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE
+    # and the MLP activations all ran in Triton.
     assert all(calls.values()), f"the engine skipped a Triton backend: {calls}"
     assert got == expected

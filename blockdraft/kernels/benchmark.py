@@ -20,11 +20,15 @@ import triton.testing
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs, prepare_dflash_inputs_torch
 from blockdraft.kernels.forward_context import build_attention_metadata
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
+from blockdraft.kernels.triton_activation import silu_mul_torch, triton_silu_mul
 from blockdraft.kernels.triton_attention import choose_num_splits, triton_paged_attention
 from blockdraft.kernels.triton_kv_store import triton_store_kv
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm
+from blockdraft.kernels.triton_rope import qk_norm_rope_torch, triton_qk_norm_rope
+from blockdraft.layers.rotary import RotaryEmbedding
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+INTERMEDIATE = 12288  # Qwen3-8B's MLP width
 DTYPE = torch.bfloat16
 
 # name: (cached keys per sequence, query rows per sequence, sequences, causal, window)
@@ -124,6 +128,8 @@ def run_others(device: torch.device) -> None:
             f"triton {t_triton:8.3f} ms  x{t_torch / t_triton:6.2f}  max|diff| {err:.3g}",
             flush=True,
         )
+    run_rope(device)
+    run_silu_mul(device)
     num_reqs, n = 64, 15
     num_ctx = torch.randint(1, n + 2, (num_reqs,), device=device)
     rows = torch.full((num_reqs,), n + 1, device=device)
@@ -144,6 +150,41 @@ def run_others(device: torch.device) -> None:
         f"  x{t_torch / t_triton:6.2f}  equal {same}",
         flush=True,
     )
+
+
+def run_rope(device: torch.device) -> None:
+    rotary = RotaryEmbedding(HEAD_DIM, 40960, 1e6).to(device)
+    for tokens in (1, 64, 8192):
+        # q and k as strided views of one qkv projection, Qwen3's q/k norm weights.
+        qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
+        q, k = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS]
+        positions = torch.randint(0, 40960, (tokens,), device=device)
+        q_w = 1 + 0.1 * torch.randn(HEAD_DIM, device=device, dtype=DTYPE)
+        k_w = 1 + 0.1 * torch.randn(HEAD_DIM, device=device, dtype=DTYPE)
+        call = (q, k, positions, rotary.cos_cache, rotary.sin_cache, q_w, k_w, 1e-6)
+        a, b = qk_norm_rope_torch(*call), triton_qk_norm_rope(*call)
+        err = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b, strict=True))
+        t_torch = bench(partial(qk_norm_rope_torch, *call))
+        t_triton = bench(partial(triton_qk_norm_rope, *call))
+        print(
+            f"qk_norm+rope {tokens:5d} tokens 32q+8kv{'':9s} torch {t_torch:8.3f} ms  "
+            f"triton {t_triton:8.3f} ms  x{t_torch / t_triton:6.2f}  max|diff| {err:.3g}",
+            flush=True,
+        )
+
+
+def run_silu_mul(device: torch.device) -> None:
+    for rows in (1, 64, 8192):
+        gate = torch.randn(rows, INTERMEDIATE, device=device, dtype=DTYPE)
+        up = torch.randn_like(gate)
+        err = (silu_mul_torch(gate, up).float() - triton_silu_mul(gate, up).float()).abs().max()
+        t_torch = bench(partial(silu_mul_torch, gate, up))
+        t_triton = bench(partial(triton_silu_mul, gate, up))
+        print(
+            f"silu_mul {rows:5d}x{INTERMEDIATE}{'':22s} torch {t_torch:8.3f} ms  "
+            f"triton {t_triton:8.3f} ms  x{t_torch / t_triton:6.2f}  max|diff| {err.item():.3g}",
+            flush=True,
+        )
 
 
 def main() -> None:

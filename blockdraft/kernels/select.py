@@ -1,9 +1,10 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
-BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store and RMSNorm
-(unset or "auto": Triton on CUDA when it imports, torch otherwise). Triton on a CPU tensor only
-runs under its interpreter, which reads TRITON_INTERPRET=1 when triton is first imported: so
-this module imports the Triton kernels lazily, on the first call that wants them.
+BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
+q/k norm + rotary embedding and the MLP's SiLU-and-multiply (unset or "auto": Triton on CUDA
+when it imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter,
+which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the
+Triton kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -25,10 +26,13 @@ import torch
 
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
+from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch
 
 AttentionFn = Callable[..., torch.Tensor]
 StoreKVFn = Callable[..., None]
 RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
+SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -104,3 +108,22 @@ def get_rms_norm_backend(device: torch.device | str | None = None) -> RMSNormFn:
 
         return triton_rmsnorm.triton_rms_norm
     return rms_norm_torch
+
+
+def get_rope_backend(device: torch.device | str | None = None) -> RopeFn:
+    """`fn(query | None, key, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight,
+    eps) -> (query, key)`: optional per-head RMSNorm then RoPE, same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_rope
+
+        return triton_rope.triton_qk_norm_rope
+    return qk_norm_rope_torch
+
+
+def get_silu_mul_backend(device: torch.device | str | None = None) -> SiluMulFn:
+    """`fn(gate, up) -> silu(gate) * up`, same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_activation
+
+        return triton_activation.triton_silu_mul
+    return silu_mul_torch

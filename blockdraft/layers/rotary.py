@@ -1,4 +1,5 @@
-"""Rotary position embedding (rotate-half layout), with Llama-3 frequency scaling."""
+"""Rotary position embedding (rotate-half layout), with Llama-3 frequency scaling, fused with
+the optional per-head q/k RMSNorm that precedes it (Qwen3)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import math
 
 import torch
 from torch import nn
+
+from blockdraft.kernels.rope import qk_norm_rope_torch, rope_torch
+from blockdraft.kernels.select import PerDevice, get_rope_backend
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -44,18 +48,31 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self._backend = PerDevice(get_rope_backend)  # Triton on CUDA, else torch
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        query: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotate(positions, query), self.rotate(positions, key)
+        q_norm_weight: torch.Tensor | None = None,  # [head_dim]; None: no q/k norm
+        k_norm_weight: torch.Tensor | None = None,  # [head_dim]
+        eps: float = 1e-6,  # of the q/k norms
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key)
+        """`(rope(q_norm(query)), rope(k_norm(key)))`, one kernel for both on the Triton path."""
+        tensors = (query, key, q_norm_weight, k_norm_weight)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+            fn = qk_norm_rope_torch  # training: the Triton kernel has no backward
+        else:
+            fn = self._backend(key.device)
+        return fn(
+            query, key, positions, self.cos_cache, self.sin_cache, q_norm_weight, k_norm_weight, eps
+        )
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos_cache[positions][:, None, :]  # [num_tokens, 1, D/2]
-        sin = self.sin_cache[positions][:, None, :]
-        x32 = x.float()
-        x1, x2 = x32.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def rotate(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """RoPE alone, in torch (the drafter's training forward norms and rotates by hand)."""
+        return rope_torch(x, positions, self.cos_cache, self.sin_cache)

@@ -8,9 +8,10 @@ attention.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from blockdraft.kernels.rope import silu_mul_torch
+from blockdraft.kernels.select import PerDevice, get_silu_mul_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -46,9 +47,19 @@ class SelfAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, Hkv, D], rotated keys
         k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            k = self.k_norm(k)
-        return self.rotary.rotate(positions, k), v
+        return self.norm_rope(positions, None, k)[1], v
+
+    def norm_rope(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (q, k)
+        """q/k norms (Qwen3) and RoPE in one fused kernel on the Triton path."""
+        if not self.qk_norm:
+            return self.rotary(positions, q, k)
+        # Both norms are built with the config's eps; the fused kernel takes one.
+        return self.rotary(positions, q, k, self.q_norm.weight, self.k_norm.weight, self.k_norm.eps)
 
     def forward(
         self,
@@ -56,10 +67,9 @@ class SelfAttention(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
         q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-        q = self.rotary.rotate(positions, q)
-        k, v = self.project_kv(x, positions)
+        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.norm_rope(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
 
@@ -69,9 +79,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._silu_mul = PerDevice(get_silu_mul_backend)  # Triton on CUDA, else torch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            act = silu_mul_torch(gate, up)  # training: the Triton kernel has no backward
+        else:
+            act = self._silu_mul(gate.device)(gate, up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,69 @@
+"""Pure-torch twins of the per-layer elementwise kernels: q/k RMSNorm + rotary embedding, and
+the MLP's SiLU-and-multiply.
+
+The specification of the Triton kernels in `triton_rope` and `triton_activation`, and what the
+layers run off the Triton path (CPU, training). They live apart from the kernels because
+importing triton early would fix TRITON_INTERPRET before `select` reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockdraft.kernels.rmsnorm import rms_norm_torch
+
+
+def rope_torch(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], x's dtype
+    """Rotate-half RoPE (dimension i pairs with i + head_dim/2), computed in float32 and
+    rounded back to x's dtype, as the reference models do."""
+    cos = cos_cache[positions][:, None, :]  # [num_tokens, 1, D/2]
+    sin = sin_cache[positions][:, None, :]
+    x32 = x.float()
+    x1, x2 = x32.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def norm_rope_torch(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    norm_weight: torch.Tensor | None,  # [head_dim]; None: no norm
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`rope(rms_norm(x))`: the norm's output dtype (weight * x promoted) is the one rotated
+    and returned, so float32 norm weights under autocast give float32 heads, as before."""
+    if norm_weight is not None:
+        x = rms_norm_torch(x, norm_weight, eps)
+    return rope_torch(x, positions, cos_cache, sin_cache)
+
+
+def qk_norm_rope_torch(
+    query: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None,  # [head_dim]
+    eps: float,
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key), shapes as given
+    """Qwen3's per-head RMSNorm of queries and keys (when weights are given), then RoPE."""
+    if query is not None:
+        query = norm_rope_torch(query, positions, cos_cache, sin_cache, q_norm_weight, eps)
+    key = norm_rope_torch(key, positions, cos_cache, sin_cache, k_norm_weight, eps)
+    return query, key
+
+
+def silu_mul_torch(
+    gate: torch.Tensor,  # [..., intermediate]
+    up: torch.Tensor,  # [..., intermediate]
+) -> torch.Tensor:  # [..., intermediate]
+    """The gated MLP's activation: `silu(gate) * up`, each op rounded to the activation dtype."""
+    return F.silu(gate) * up
