@@ -22,6 +22,12 @@ def main(src: str, dst: str) -> None:
     ax.plot(levels, [conc["ar"][str(c)] for c in levels], "o-", label="blockdraft AR")
     ax.plot(levels, [conc["dflash"][str(c)] for c in levels], "o-",
             label=f"blockdraft DFlash (τ={r['mean_acceptance_length']:.1f}, synthetic)")
+    small = r.get("small_block") or {}
+    if small.get("tok_s"):
+        levels_small = sorted(int(c) for c in small["tok_s"])
+        ax.plot(levels_small, [small["tok_s"][str(c)] for c in levels_small], "s--",
+                label=f"DFlash at block {small['block_size']} "
+                f"(τ={small['mean_acceptance_length']:.1f})")
     ax.axhline(r["roofline_tok_s"], color="gray", ls="--", label="batch-1 roofline")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
