@@ -25,7 +25,7 @@ from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import DraftBatch, PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.kernels.forward_context import int64_tensors, slots_for_positions
-from blockdraft.models.decoder import DecoderLM
+from blockdraft.models.decoder import DecoderLM, fuse_projections
 from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
     init_dummy_weights,
@@ -98,6 +98,7 @@ class LLMEngine:
         eos_token_ids = ckpt.eos_token_ids
         del ckpt
         self.model.eval().requires_grad_(False)
+        fuse_projections(self.model)
 
         self.proposer: DFlashProposer | None = None
         attention_layers = list(self.model.attention_layers)
@@ -111,6 +112,7 @@ class LLMEngine:
                 dummy=config.load_format == "dummy",
                 cfg=draft_cfg,
             )
+            fuse_projections(drafter)
             self.model.capture_layer_ids = drafter.cfg.target_layer_ids
             attention_layers += drafter.attention_layers
             self.proposer = DFlashProposer(

@@ -8,6 +8,7 @@ attention.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from blockdraft.kernels.rope import silu_mul_torch
@@ -39,14 +40,27 @@ class SelfAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rotary = rotary
         self.attn = PagedAttention(cfg.num_heads, cfg.num_kv_heads, d, causal, window)
+        self._split = (cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v (and one for the drafter's context k and v) instead of three."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def project_kv(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, Hkv, D], rotated keys
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self._qkv is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:
+            weight, bias = self._qkv
+            q_rows = self._split[0]  # the k and v rows of the fused matrix are contiguous
+            kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            k, v = kv.split(self._split[1:], dim=-1)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         return self.norm_rope(positions, None, k)[1], v
 
     def norm_rope(
@@ -66,9 +80,13 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        q = self.q_proj(x).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        if self._qkv is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:  # row views of one [num_tokens, q + 2 kv] output
+            q, k, v = F.linear(x, *self._qkv).split(self._split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.norm_rope(positions, q, k)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
@@ -80,12 +98,20 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self._silu_mul = PerDevice(get_silu_mul_backend)  # Triton on CUDA, else torch
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for gate and up instead of two."""
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self._gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:  # row-strided halves of one output; the activation kernel reads them in place
+            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
         if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
             act = silu_mul_torch(gate, up)  # training: the Triton kernel has no backward
         else:
@@ -123,6 +149,31 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stacks the weights (and biases) of linears that read the same input into one matrix and
+    makes each linear's parameters row views of it: one weight read and one launch per forward
+    instead of one per linear, with parameter names, state dicts and memory as before. For
+    inference only (the views do not train)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += lin.out_features
+    return weight, bias
+
+
+def fuse_projections(model: nn.Module) -> None:
+    """Fuses q/k/v and gate/up of every attention and MLP in `model` (see `fuse_linears`)."""
+    for module in model.modules():
+        if isinstance(module, SelfAttention | MLP):
+            module.fuse_projections()
 
 
 def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
