@@ -304,10 +304,12 @@ def choose_num_splits(
     few key tiles: few query rows (decode, verify, drafter blocks) over long contexts."""
     programs = max(num_seqs * num_kv_heads, 1)
     sms = _num_sms(device)
-    if max_query_len > 16 or max_seq_len < 1024 or programs >= sms:
+    if max_query_len > 16 or max_seq_len < 512 or programs >= sms:
         return 1
     want = -(-2 * sms // programs)  # about two waves of programs
-    return max(1, min(want, max_seq_len // 256, 64))
+    # Splits of two 64-key tiles still pay: a batch-1 decode over 512-1k keys is otherwise a
+    # handful of programs walking the keys serially (~24 us a layer on an H200).
+    return max(1, min(want, max_seq_len // 128, 64))
 
 
 def _tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
