@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.assets import DEFAULT_DRAFTER, default_drafter_path
+from blockdraft.spec_decode.draft_schedule import check_draft_schedule
 
 
 @dataclass
@@ -15,6 +16,10 @@ class SpeculativeConfig:
     model: str  # DFlash drafter directory; "default": the drafter shipped for the default target
     method: str = "dflash"
     num_speculative_tokens: int | None = None  # default: drafter block_size - 1
+    # Draft tokens per step by batch size, {at least this many running requests: N}, e.g.
+    # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens. "auto": a schedule on
+    # CUDA (see blockdraft.spec_decode.draft_schedule), fixed N on the CPU; None: fixed N.
+    num_speculative_tokens_by_batch: dict[int, int] | str | None = "auto"
     # Benchmark only: accept each draft with this probability instead of verifying it, so speed
     # can be measured at a chosen acceptance length with random weights. Output is meaningless.
     synthetic_acceptance_rate: float | None = None
@@ -28,6 +33,7 @@ class SpeculativeConfig:
         n = self.num_speculative_tokens
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {n!r}")
+        check_draft_schedule(self.num_speculative_tokens_by_batch, n)
 
     @classmethod
     def coerce(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -39,6 +45,7 @@ class SpeculativeConfig:
             "model",
             "method",
             "num_speculative_tokens",
+            "num_speculative_tokens_by_batch",
             "synthetic_acceptance_rate",
         }
         if unknown:

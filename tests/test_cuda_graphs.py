@@ -22,18 +22,8 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def capture_twins(llm: LLM, sizes: list[int]) -> None:
-    """What LLMEngine._capture_graphs does on a GPU, with eager twins on the CPU."""
-    engine = llm.engine
-    bs, max_blocks = engine.config.block_size, engine._max_blocks_per_seq(engine.num_spec + 1)
-    for q in [1] + ([engine.num_spec + 1] if engine.num_spec else []):
-        runner = CUDAGraphRunner(engine.model, q, sizes, max_blocks, bs, engine.device)
-        runner.capture()
-        engine.runner.graphs[q] = runner
-    if engine.proposer is not None:
-        q = engine.num_spec + 1
-        runner = CUDAGraphRunner(engine.proposer.drafter, q, sizes, max_blocks, bs, engine.device)
-        runner.capture()
-        engine.drafter_graphs[q] = runner
+    """What LLMEngine does on a GPU at start, with eager twins on the CPU."""
+    llm.engine.capture_graphs(sizes)
 
 
 def test_padded_replay_equals_eager_forward(pair, rng) -> None:

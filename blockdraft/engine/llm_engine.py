@@ -38,6 +38,7 @@ from blockdraft.models.model_config import TransformerConfig
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.dflash import DFlashProposer
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -65,7 +66,7 @@ class LLMEngine:
             target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
         spec = config.speculative_config
-        draft_cfg, self.num_spec = None, 0
+        draft_cfg, self.num_spec, self.draft_schedule = None, 0, None
         if spec is not None:  # a drafter that does not fit fails here, before any weights load
             draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
             draft_cfg.check_fits(target_cfg)
@@ -75,6 +76,11 @@ class LLMEngine:
                     f"num_speculative_tokens {self.num_spec} exceeds the drafter's "
                     f"block_size - 1 ({draft_cfg.block_size - 1})"
                 )
+            self.draft_schedule = DraftSchedule.resolve(
+                spec.num_speculative_tokens_by_batch, self.num_spec, self.device.type
+            )
+        # Rows past the committed tokens a step may write (anchor + N masks), for any N the
+        # draft schedule picks (all are <= num_spec).
         lookahead = self.num_spec + 1 if self.num_spec else 0
         # RoPE tables cover the block the drafter writes past the last committed token.
         max_positions = max(target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead)
@@ -117,7 +123,6 @@ class LLMEngine:
             attention_layers += drafter.attention_layers
             self.proposer = DFlashProposer(
                 drafter,
-                self.num_spec,
                 config.block_size,
                 lambda ids, starts, tables: run_forward(
                     drafter,
@@ -147,7 +152,7 @@ class LLMEngine:
         self.drafter_graphs: dict[int, CUDAGraphRunner] = {}
         self.capture_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs(lookahead)
+            self.capture_graphs(default_batch_sizes(config.max_num_seqs))
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecDecodeStats(self.num_spec)
@@ -158,28 +163,33 @@ class LLMEngine:
         self.detokenize_running = True
         self.load_time_s = time.perf_counter() - t0
 
-    def _capture_graphs(self, lookahead: int) -> None:
+    def capture_graphs(self, batch_sizes: list[int]) -> None:
+        """Captures the uniform steps: decode at every batch bucket; verify (target) and
+        propose (drafter) of 1+N rows for each N of the draft schedule, at the buckets of the
+        batch sizes that use that N. Off CUDA the graphs are eager twins (tests)."""
         t0 = time.perf_counter()
-        cfg = self.config
-        sizes = default_batch_sizes(cfg.max_num_seqs)
+        lookahead = self.num_spec + 1 if self.num_spec else 0
         max_blocks = self._max_blocks_per_seq(lookahead)
         pool = None
-        query_lens = [1] + ([self.num_spec + 1] if self.num_spec else [])
-        for q in query_lens:
+
+        def capture(module: torch.nn.Module, q: int, sizes: list[int]) -> CUDAGraphRunner:
+            nonlocal pool
             runner = CUDAGraphRunner(
-                self.model, q, sizes, max_blocks, cfg.block_size, self.device, pool
+                module, q, sizes, max_blocks, self.config.block_size, self.device, pool
             )
             runner.capture()
             pool = runner.pool
-            self.runner.graphs[q] = runner
-        if self.proposer is not None:
-            q = self.num_spec + 1
-            runner = CUDAGraphRunner(
-                self.proposer.drafter, q, sizes, max_blocks, cfg.block_size, self.device, pool
-            )
-            runner.capture()
-            self.drafter_graphs[q] = runner
-        torch.cuda.synchronize()
+            return runner
+
+        self.runner.graphs[1] = capture(self.model, 1, batch_sizes)
+        for n in self.draft_schedule.all_num_drafts if self.draft_schedule else []:
+            sizes = self.draft_schedule.graph_batch_sizes(n, batch_sizes)
+            if not sizes:  # only batches above max_num_seqs would use this N
+                continue
+            self.runner.graphs[n + 1] = capture(self.model, n + 1, sizes)
+            self.drafter_graphs[n + 1] = capture(self.proposer.drafter, n + 1, sizes)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
 
     def _max_blocks_per_seq(self, lookahead: int) -> int:
@@ -288,7 +298,7 @@ class LLMEngine:
         ):
             seq = chunk.seq
             if accepted is not None:
-                self.spec_stats.record(accepted)
+                self.spec_stats.record(accepted, chunk.num_drafts)
                 seq.num_computed_tokens = chunk.start + 1 + accepted
                 seq.drafts = None
             else:
@@ -335,8 +345,15 @@ class LLMEngine:
         anchor_positions = [s.num_tokens - 1 for s in seqs]
         (positions,) = int64_tensors(self.device, [p + 1 for p in anchor_positions])
         st = self.runner.sampling.get(seqs, positions)
+        # N by the batch the next step verifies: every request running now (finished ones
+        # have left), not only those proposing.
+        num_drafts = self.draft_schedule.num_drafts(self.num_running)
         tokens, probs = self.proposer.propose(
-            [s.token_ids[-1] for s in seqs], anchor_positions, [s.block_table for s in seqs], st
+            [s.token_ids[-1] for s in seqs],
+            anchor_positions,
+            [s.block_table for s in seqs],
+            st,
+            num_drafts,
         )
         # The drafts stay on the device; each request keeps its row for the next verify.
         batch = DraftBatch(tokens, probs)

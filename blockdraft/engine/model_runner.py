@@ -135,32 +135,32 @@ def gather_drafts(
     seqs: list[Sequence],
     batch: DraftBatch | None,  # shared by every request, from shared_draft_batch
     rows: torch.Tensor | None,  # [R] int64 on the device: rows of `batch`; None => all, in order
+    num_drafts: int,  # N verified this step: each request's first N (it may hold more)
     need_probs: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
-    """Each request's pending drafts, gathered on the device (no sync)."""
-    if batch is not None:
-        probs = batch.probs if need_probs else None
-        if rows is None:
-            return batch.tokens, probs
-        return batch.tokens.index_select(0, rows), (
-            None if probs is None else probs.index_select(0, rows)
-        )
-    return stack_drafts(seqs, need_probs)
+    """Each request's drafts to verify, gathered on the device (no sync)."""
+    if batch is None:
+        return stack_drafts(seqs, num_drafts, need_probs)
+    tokens = batch.tokens[:, :num_drafts]
+    probs = batch.probs[:, :num_drafts] if need_probs and batch.probs is not None else None
+    if rows is None:
+        return tokens, probs
+    return tokens.index_select(0, rows), None if probs is None else probs.index_select(0, rows)
 
 
 def stack_drafts(
-    seqs: list[Sequence], need_probs: bool
+    seqs: list[Sequence], num_drafts: int, need_probs: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
     """Drafts from several propose steps: a request whose verify did not fit the token budget
-    kept the drafts of an earlier step."""
+    kept the drafts of an earlier step (possibly more than N, when the batch was smaller)."""
     pending = [s.drafts for s in seqs]
-    tokens = torch.stack([d.batch.tokens[d.row] for d in pending])
+    tokens = torch.stack([d.batch.tokens[d.row, :num_drafts] for d in pending])
     if not need_probs or all(d.batch.probs is None for d in pending):
         return tokens, None
     vocab = next(d.batch.probs.shape[-1] for d in pending if d.batch.probs is not None)
     # A request proposed in an all-greedy batch has no probabilities: its drafts are one-hot.
     probs = [
-        d.batch.probs[d.row] if d.batch.probs is not None else one_hot_f32(t, vocab)
+        d.batch.probs[d.row, :num_drafts] if d.batch.probs is not None else one_hot_f32(t, vocab)
         for d, t in zip(pending, tokens, strict=True)
     ]
     return tokens, torch.stack(probs)
@@ -275,7 +275,7 @@ class ModelRunner:
         st = self.sampling.get(seqs, positions)
         # Greedy verification and the synthetic benchmark mode never read draft probabilities.
         need_probs = not st.all_greedy and self.synthetic_acceptance_rate is None
-        drafts, probs = gather_drafts(seqs, batch, rows if batch_rows else None, need_probs)
+        drafts, probs = gather_drafts(seqs, batch, rows if batch_rows else None, n, need_probs)
         return VerifyInputs(logit_rows, draft_rows, drafts.to(torch.int64), probs, st)
 
     def _verify(

@@ -5,6 +5,12 @@ drafts when speculating), one still in prefill computes the next chunk that fits
 When the pool runs out of blocks the newest running request is preempted: its blocks are freed
 and it will be recomputed from its tokens later. Waiting requests are admitted with what is
 left, reusing cached prefix blocks.
+
+Every request verified in a step verifies the same number of drafts N (one [R, 1+N] verify,
+one CUDA graph). Drafts proposed at different steps can differ in number when N depends on
+the batch size (a request whose verify did not fit the budget keeps older ones): the step
+verifies the smallest pending count, and a request holding more verifies its first N. That
+is lossless: verifying a prefix of the drafts is speculative decoding with fewer drafts.
 """
 
 from __future__ import annotations
@@ -64,14 +70,20 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def _verify_width(self) -> int:
+        """Drafts every request verifies this step: the fewest any running request holds."""
+        return min((s.num_drafts for s in self.running if s.drafts is not None), default=0)
+
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
+        num_drafts = self._verify_width()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            pending = seq.tokens_to_compute()
+            seq_drafts = num_drafts if seq.drafts is not None else 0
+            pending = seq.tokens_to_compute(seq_drafts)
             num_new = len(pending)
             if seq.drafts is not None:
                 if num_new > budget:  # a verify block is never split
@@ -90,7 +102,7 @@ class Scheduler:
                         seq,
                         seq.num_computed_tokens,
                         pending[:num_new],
-                        seq.num_drafts,
+                        seq_drafts,
                     )
                 )
                 budget -= num_new

@@ -86,10 +86,13 @@ class Sequence:
     def num_drafts(self) -> int:
         return 0 if self.drafts is None else self.drafts.batch.tokens.shape[1]
 
-    def tokens_to_compute(self) -> list[int]:
-        """Tokens not yet in the KV cache, then a verify row per pending draft (placeholders:
-        the drafts themselves stay on the device)."""
-        return self.token_ids[self.num_computed_tokens :] + [DRAFT_PLACEHOLDER] * self.num_drafts
+    def tokens_to_compute(self, num_drafts: int | None = None) -> list[int]:
+        """Tokens not yet in the KV cache, then a verify row per draft to verify: the first
+        `num_drafts` pending ones, all by default (placeholders: the drafts themselves stay on
+        the device)."""
+        if num_drafts is None:
+            num_drafts = self.num_drafts
+        return self.token_ids[self.num_computed_tokens :] + [DRAFT_PLACEHOLDER] * num_drafts
 
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0

@@ -13,13 +13,17 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     # acceptance length (accepted drafts + 1) -> count, before any truncation
     histogram: dict[int, int] = field(default_factory=dict)
+    # draft tokens verified at once (N, which may depend on the batch size) -> verify steps
+    drafts_by_num_tokens: dict[int, int] = field(default_factory=dict)
 
-    def record(self, num_accepted: int) -> None:
+    def record(self, num_accepted: int, num_draft_tokens: int) -> None:
         self.num_drafts += 1
-        self.num_draft_tokens += self.num_speculative_tokens
+        self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         length = num_accepted + 1
         self.histogram[length] = self.histogram.get(length, 0) + 1
+        by_n = self.drafts_by_num_tokens
+        by_n[num_draft_tokens] = by_n.get(num_draft_tokens, 0) + 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -29,8 +33,12 @@ class SpecDecodeStats:
         if not self.num_drafts:
             return "speculative decoding: no verify steps"
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.histogram.items()))
-        return (
+        text = (
             f"speculative decoding: {self.num_drafts} drafts, {self.num_draft_tokens} draft "
             f"tokens, {self.num_accepted_tokens} accepted, mean acceptance length "
             f"{self.mean_acceptance_length:.2f} (histogram {hist})"
         )
+        if len(self.drafts_by_num_tokens) > 1:  # the batch-size schedule changed N
+            by_n = " ".join(f"{k}:{v}" for k, v in sorted(self.drafts_by_num_tokens.items()))
+            text += f"; drafts by N {by_n}"
+        return text

@@ -6,7 +6,9 @@ Per step, after the target has run and its tokens are committed:
    projection into the drafter's paged cache, at the rows' own positions. Rejected rows write
    nothing.
 2. `propose`: for each request that has a new anchor, the block [anchor, MASK x N] at positions
-   p .. p+N runs through the drafter in one forward; its rows 1..N give N draft tokens.
+   p .. p+N runs through the drafter in one forward; its rows 1..N give N draft tokens. N may
+   be below the drafter's block_size - 1 (the engine picks it by batch size): the drafter
+   attends within the block it is given, so a shorter block is the same model on fewer masks.
 
 The drafter cache shares the target's block tables: a position's drafter K/V sits in the same
 slot as its target K/V, so prefix caching, preemption and freeing need no extra bookkeeping.
@@ -32,12 +34,10 @@ class DFlashProposer:
     def __init__(
         self,
         drafter: DFlashDrafter,
-        num_speculative_tokens: int,
         block_size: int,
         run_forward: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         self.drafter = drafter
-        self.num_spec = num_speculative_tokens
         self.block_size = block_size
         self.device = next(drafter.parameters()).device
         # The engine hands in its forward runner (eager, or a CUDA-graph replay) so that this
@@ -76,11 +76,12 @@ class DFlashProposer:
         anchor_positions: list[int],
         block_tables: list[list[int]],
         st: SamplingTensors,  # one row per request, position = anchor position + 1
+        num_drafts: int,  # N
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R, N] int64, probs [R, N, V]
         """Returns N draft tokens per request, and their probabilities [R, N, V] when any
         request samples (None when all are greedy). Both stay on the device: the next verify
         reads them there, so proposing costs no host readback."""
-        n, q = self.num_spec, self.num_spec + 1
+        n, q = num_drafts, num_drafts + 1
         mask_id = self.drafter.cfg.mask_token_id
         blocks = [[a] + [mask_id] * n for a in anchors]
         hidden = self.run_forward(blocks, anchor_positions, block_tables)  # [R * q, hidden]

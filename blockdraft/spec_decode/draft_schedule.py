@@ -1,0 +1,115 @@
+"""How many tokens to draft per step, by batch size.
+
+A verify of 1+N rows per request is nearly free at small batches (the target's weight reads
+dominate) but becomes compute-bound at large ones: on an H200 with Qwen3-8B shapes, 16 rows x
+32 requests cost ~3.4 decode steps. Drafting fewer tokens there trades a shorter accepted run
+for a cheaper verify, and a block-16 drafter runs well at block 8 (the DFlash paper).
+
+The batch size is the number of running requests when the drafts are proposed: those are the
+requests the next step verifies (a request only gets drafts by proposing, so a step never
+verifies more requests with some N than ran when N was chosen).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+# "auto" on CUDA: from this many running requests on, draft at most AUTO_NUM_DRAFTS tokens.
+AUTO_MIN_BATCH = 24
+AUTO_NUM_DRAFTS = 7
+
+
+def is_positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_draft_schedule(schedule: object, num_speculative_tokens: int | None) -> None:
+    """SpeculativeConfig.num_speculative_tokens_by_batch is 'auto', None or {batch: N} with
+    positive keys and 1 <= N <= num_speculative_tokens (unchecked while that is None: it may
+    come from the drafter's block size, and DraftSchedule.resolve checks again then)."""
+    name = "num_speculative_tokens_by_batch"
+    if schedule is None or schedule == "auto":
+        return
+    if not isinstance(schedule, dict) or not schedule:
+        raise ValueError(
+            f"{name} must be a non-empty dict {{min batch size: draft tokens}}, 'auto' or None; "
+            f"got {schedule!r}"
+        )
+    for batch, n in schedule.items():
+        if not is_positive_int(batch):
+            raise ValueError(f"{name} keys are batch sizes (positive integers), got {batch!r}")
+        if not is_positive_int(n):
+            raise ValueError(
+                f"{name}[{batch}] must be a positive number of draft tokens, got {n!r}"
+            )
+        if num_speculative_tokens is not None and n > num_speculative_tokens:
+            raise ValueError(
+                f"{name}[{batch}] = {n} exceeds num_speculative_tokens ({num_speculative_tokens})"
+            )
+
+
+@dataclass(frozen=True)
+class DraftSchedule:
+    """Draft tokens per step as a step function of the batch size: from min_batches[i] running
+    requests on (up to the next key), draft num_drafts_at[i] tokens. min_batches[0] == 1."""
+
+    min_batches: tuple[int, ...]
+    num_drafts_at: tuple[int, ...]
+
+    @classmethod
+    def resolve(
+        cls,
+        by_batch: dict[int, int] | str | None,  # SpeculativeConfig.num_speculative_tokens_by_batch
+        num_speculative_tokens: int,
+        device_type: str,
+    ) -> DraftSchedule:
+        """The schedule a config asks for, once num_speculative_tokens is resolved (it may come
+        from the drafter's block size). Every N is checked to lie in 1..num_speculative_tokens."""
+        check_draft_schedule(by_batch, num_speculative_tokens)
+        if by_batch == "auto":
+            by_batch = cls.auto(num_speculative_tokens, device_type)
+        steps = {1: num_speculative_tokens, **(by_batch or {})}
+        keys = sorted(steps)
+        # Drop keys that do not change N, so each N has as few batch ranges as possible.
+        kept = [k for i, k in enumerate(keys) if i == 0 or steps[k] != steps[keys[i - 1]]]
+        return cls(tuple(kept), tuple(steps[k] for k in kept))
+
+    @staticmethod
+    def auto(num_speculative_tokens: int, device_type: str) -> dict[int, int]:
+        # CPU steps are never compute-bound in the way a large GPU batch is: fixed N there.
+        if device_type != "cuda":
+            return {}
+        return {AUTO_MIN_BATCH: min(num_speculative_tokens, AUTO_NUM_DRAFTS)}
+
+    @property
+    def is_fixed(self) -> bool:
+        return len(self.num_drafts_at) == 1
+
+    @property
+    def all_num_drafts(self) -> list[int]:
+        return sorted(set(self.num_drafts_at))
+
+    def num_drafts(self, batch_size: int) -> int:
+        """N for a step that proposes while `batch_size` requests run (host only: a lookup)."""
+        return self.num_drafts_at[bisect.bisect_right(self.min_batches, batch_size) - 1]
+
+    def graph_batch_sizes(self, num_drafts: int, batch_sizes: list[int]) -> list[int]:
+        """The CUDA-graph batch buckets (of `batch_sizes`, ascending, the last being the most
+        requests that run) that steps drafting `num_drafts` tokens can replay: for each batch
+        range with that N, from the bucket of its smallest batch to that of its largest. A
+        smaller batch with that N (some running requests had no drafts) pads up to the first."""
+        largest = batch_sizes[-1]
+        ends = list(self.min_batches[1:]) + [largest + 1]
+        chosen: set[int] = set()
+        for lo, end, n in zip(self.min_batches, ends, self.num_drafts_at, strict=True):
+            if n != num_drafts or lo > largest:
+                continue
+            first, last = bucket_of(lo, batch_sizes), bucket_of(min(end - 1, largest), batch_sizes)
+            chosen.update(b for b in batch_sizes if first <= b <= last)
+        return sorted(chosen)
+
+
+def bucket_of(batch: int, batch_sizes: list[int]) -> int:
+    """The smallest bucket that holds `batch` requests (the largest if none does)."""
+    return next((b for b in batch_sizes if b >= batch), batch_sizes[-1])
