@@ -67,3 +67,48 @@ def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) 
     outs = graphed.generate(prompts, params, use_tqdm=False)
     assert calls, "no step went through the graph runners"
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def count_replays(runner: CUDAGraphRunner) -> list[int]:
+    """Records the number of requests of every replay of `runner`."""
+    calls: list[int] = []
+    original = runner.run
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[3]))  # seq_lens: one per request
+        return original(*args, **kwargs)
+
+    runner.run = counted
+    return calls
+
+
+def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
+    """With N by batch size ({1: 7, 3: 3}), verify and drafter graphs are captured for N = 3 at
+    the buckets of 3+ requests and for N = 7 at those of 1-2, and requests finishing at
+    different lengths replay both without changing the output."""
+    target, drafter = pair
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens_by_batch": {3: 3}}
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 15, 22, 30)
+    ]
+    plain = LLM(str(target), speculative_config=spec, max_model_len=64)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=8)
+    capture_twins(graphed, [1, 2, 4, 8])
+    engine = graphed.engine
+    runners = {("target", q): r for q, r in engine.runner.graphs.items()}
+    runners |= {("drafter", q): r for q, r in engine.drafter_graphs.items()}
+    assert {key: r.batch_sizes for key, r in runners.items()} == {
+        ("target", 1): [1, 2, 4, 8],
+        ("target", 4): [4, 8],
+        ("target", 8): [1, 2],
+        ("drafter", 4): [4, 8],
+        ("drafter", 8): [1, 2],
+    }
+    replays = {key: count_replays(runner) for key, runner in runners.items()}
+    outs = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(len(replays[(kind, q)]) > 0 for kind in ("target", "drafter") for q in (4, 8))
+    # N = 7 drafts are proposed only while at most 2 requests run, so at most 2 verify them.
+    assert max(replays[("target", 8)] + replays[("drafter", 8)]) <= 2, replays
