@@ -4,9 +4,11 @@
 
 a. batch-1 autoregressive decode tok/s: ours, the memory-bandwidth roofline (weight bytes /
    measured copy bandwidth), transformers `generate`, z-lab's `dflash_generate` at block 1;
-b. step-cost ratio (verify 1+N + draft) / (one decode step) at batch 1, 8, 32;
+b. step-cost ratio (verify 1+N + draft) / (one decode step) at N = 15, batch 1, 8, 32;
 c. DFlash tok/s with synthetic acceptance (p = 0.86, mean acceptance 6.5 at N = 15) at
-   concurrency 1, 4, 8, 16, 32 next to our autoregressive throughput.
+   concurrency 1, 4, 8, 16, 32 next to our autoregressive throughput: the default draft
+   schedule (N by batch size, as users get it) as the main column, fixed N = 15 next to it,
+   and fixed N = 7 (`--small-block 8`) at the two top concurrencies.
 """
 
 from __future__ import annotations
@@ -131,6 +133,30 @@ def profile_steps(llm: LLM, prompt: list[int], steps: int, label: str) -> list[l
     return rows
 
 
+def dflash_llm(
+    target: Path, drafter: Path, n: int, by_batch: object, accept: float, kw: dict
+) -> LLM:
+    """DFlash with N draft tokens, by batch size as `by_batch` says ("auto": the default
+    schedule; None: always N), accepting each draft with probability `accept`."""
+    return LLM(
+        str(target),
+        speculative_config={
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": n,
+            "num_speculative_tokens_by_batch": by_batch,
+            "synthetic_acceptance_rate": accept,
+        },
+        **kw,
+    )
+
+
+def schedule_text(llm: LLM) -> str:
+    s = llm.engine.draft_schedule
+    steps = zip(s.min_batches, s.num_drafts_at, strict=True)
+    return ", ".join(f"N={n} from batch {b}" for b, n in steps)
+
+
 def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -225,39 +251,29 @@ def main() -> None:
     prof_rows = profile_steps(ar, prompt, args.steps, "AR") if args.profile else []
     del ar
     torch.cuda.empty_cache()
-    sd = LLM(
-        str(target),
-        speculative_config={
-            "method": "dflash",
-            "model": str(drafter),
-            "num_speculative_tokens": 15,
-            "synthetic_acceptance_rate": args.accept,
-        },
-        **kw,
-    )
+    sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
     sd_steps = {b: mean_step_ms(sd, prompt, b, args.steps) for b in tqdm(args.batches, "SD steps")}
-    sd_conc = {c: decode_tok_s(sd, prompt, c, 64) for c in tqdm(args.concurrency, "SD conc")}
-    results["step_ms"] = {"ar": ar_steps, "dflash": sd_steps}
-    results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc}
-    results["mean_acceptance_length"] = sd.engine.spec_stats.mean_acceptance_length
+    fixed_conc = {c: decode_tok_s(sd, prompt, c, 64) for c in tqdm(args.concurrency, "N=15 conc")}
+    fixed_tau = sd.engine.spec_stats.mean_acceptance_length
     if args.profile:
         prof_rows += profile_steps(sd, prompt, args.steps, "DFlash N=15")
     del sd
+    torch.cuda.empty_cache()
+    # The default: N by batch size, as users get it.
+    auto = dflash_llm(target, drafter, 15, "auto", args.accept, kw)
+    results["draft_schedule"] = schedule_text(auto)
+    sd_conc = {c: decode_tok_s(auto, prompt, c, 64) for c in tqdm(args.concurrency, "SD conc")}
+    results["step_ms"] = {"ar": ar_steps, "dflash": sd_steps}
+    results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc, "dflash_n15": fixed_conc}
+    results["mean_acceptance_length"] = auto.engine.spec_stats.mean_acceptance_length
+    results["mean_acceptance_length_n15"] = fixed_tau
+    del auto
     torch.cuda.empty_cache()
     small_conc: dict[int, float] = {}
     small_tau = float("nan")
     if args.small_block:
         top = sorted(args.concurrency)[-2:]
-        small = LLM(
-            str(target),
-            speculative_config={
-                "method": "dflash",
-                "model": str(drafter),
-                "num_speculative_tokens": args.small_block - 1,
-                "synthetic_acceptance_rate": args.accept,
-            },
-            **kw,
-        )
+        small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
         small_conc = {c: decode_tok_s(small, prompt, c, 64) for c in top}
         small_tau = small.engine.spec_stats.mean_acceptance_length
         del small
@@ -283,14 +299,20 @@ def main() -> None:
         [[b, ar_steps[b], sd_steps[b], sd_steps[b] / ar_steps[b]] for b in args.batches],
     )
     print_table(
-        f"c. tok/s, synthetic acceptance p={args.accept} "
-        f"(mean acceptance {results['mean_acceptance_length']:.2f})",
-        ["concurrency", "AR", "DFlash", "speedup"],
-        [[c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c]] for c in args.concurrency],
+        f"c. tok/s, synthetic acceptance p={args.accept}; DFlash: default schedule "
+        f"({results['draft_schedule']}; mean acceptance "
+        f"{results['mean_acceptance_length']:.2f}), N=15: fixed (mean acceptance {fixed_tau:.2f})",
+        ["concurrency", "AR", "DFlash", "speedup", "DFlash N=15", "speedup N=15"],
+        [
+            [c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c], fixed_conc[c],
+             fixed_conc[c] / ar_conc[c]]
+            for c in args.concurrency
+        ],
     )
     if small_conc:
         print_table(
-            f"c'. block {args.small_block} (mean acceptance {small_tau:.2f})",
+            f"c'. fixed N={args.small_block - 1}, block {args.small_block} "
+            f"(mean acceptance {small_tau:.2f})",
             ["concurrency", "AR", f"DFlash block {args.small_block}", "speedup"],
             [[c, ar_conc[c], v, v / ar_conc[c]] for c, v in small_conc.items()],
         )
