@@ -20,8 +20,12 @@ def main(src: str, dst: str) -> None:
     levels = sorted(int(c) for c in conc["ar"])
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(levels, [conc["ar"][str(c)] for c in levels], "o-", label="blockdraft AR")
+    schedule = " by batch" if "dflash_n15" in conc else ""
     ax.plot(levels, [conc["dflash"][str(c)] for c in levels], "o-",
-            label=f"blockdraft DFlash (τ={r['mean_acceptance_length']:.1f}, synthetic)")
+            label=f"DFlash, N{schedule} (τ={r['mean_acceptance_length']:.1f}, synthetic)")
+    if "dflash_n15" in conc:
+        ax.plot(levels, [conc["dflash_n15"][str(c)] for c in levels], "^:",
+                label=f"DFlash, fixed N = 15 (τ={r['mean_acceptance_length_n15']:.1f})")
     small = r.get("small_block") or {}
     if small.get("tok_s"):
         levels_small = sorted(int(c) for c in small["tok_s"])
