@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -15,6 +16,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="DFlash drafter directory, or 'default': the drafter shipped for the default target",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=None)
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, as in vLLM: {"method": "dflash", "model": DIR, "num_speculative_tokens": 15, '
+        '"num_speculative_tokens_by_batch": {"24": 7}}; --draft and --num-speculative-tokens '
+        "override its fields",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -22,12 +30,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    spec = None
+def _speculative_config(args: argparse.Namespace) -> dict | None:
+    spec = _parse_speculative_json(args.speculative_config) if args.speculative_config else None
     if args.draft:
-        spec = {"method": "dflash", "model": args.draft}
-        if args.num_speculative_tokens:
-            spec["num_speculative_tokens"] = args.num_speculative_tokens
+        spec = {"method": "dflash", **(spec or {}), "model": args.draft}
+    if spec is not None and args.num_speculative_tokens:
+        spec["num_speculative_tokens"] = args.num_speculative_tokens
+    return spec
+
+
+def _parse_speculative_json(text: str) -> dict:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text!r}")
+    by_batch = spec.get("num_speculative_tokens_by_batch")
+    if isinstance(by_batch, dict):  # JSON keys are strings; the config wants batch sizes
+        spec["num_speculative_tokens_by_batch"] = {
+            int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+            for k, v in by_batch.items()
+        }
+    return spec
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    spec = _speculative_config(args)
     return dict(
         model=args.model,
         speculative_config=spec,
@@ -122,15 +151,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    import json
-
     from blockdraft import LLM
     from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench, save_plot
 
-    if not args.draft:
-        raise ValueError("bench compares DFlash with autoregressive decoding: give --draft")
-    sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
     kwargs = _engine_kwargs(args)
+    if kwargs["speculative_config"] is None:
+        raise ValueError(
+            "bench compares DFlash with autoregressive decoding: give --draft or "
+            "--speculative-config"
+        )
+    sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
     dflash = LLM(**kwargs)
     ar = LLM(**{**kwargs, "speculative_config": None})
     results = run_bench(ar, dflash, sets, args.temperatures, args.max_tokens, args.seed)

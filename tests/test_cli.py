@@ -1,5 +1,6 @@
 """The command line: generate with and without a drafter, and errors as one clear line."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,27 @@ def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path: Path) -> N
               "--num-speculative-tokens", "40"])
     assert exc.value.code == 2
     assert "exceeds the drafter's block_size - 1" in capsys.readouterr().err
+
+
+def test_speculative_config_json_as_in_vllm(pair, capsys) -> None:
+    """`--speculative-config` takes vLLM's JSON (string batch keys included); bad JSON or bad
+    fields are one clear error line."""
+    target, drafter = pair
+    base = ["generate", "w10 w11", "--model", str(target), "--raw", "--max-tokens", "12"]
+    main(base)
+    plain = capsys.readouterr().out.splitlines()
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 5,
+            "num_speculative_tokens_by_batch": {"2": 3}}
+    main([*base, "--speculative-config", json.dumps(spec)])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == plain[0] and "speculative decoding:" in out[2]
+    for bad, message in [
+        ("{not json", "--speculative-config is not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (json.dumps({**spec, "num_speculative_tokens_by_batch": {"2": 9}}), "exceeds"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main([*base, "--speculative-config", bad])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("blockdraft: error:") and message in err, err
