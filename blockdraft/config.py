@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.assets import DEFAULT_DRAFTER, default_drafter_path
-from blockdraft.spec_decode.draft_schedule import check_draft_schedule
+from blockdraft.spec_decode.draft_schedule import check_draft_schedule, is_positive_int
 
 
 @dataclass
@@ -31,7 +31,7 @@ class SpeculativeConfig:
         if self.method != "dflash":
             raise ValueError(f"speculative method {self.method!r} is not supported; use 'dflash'")
         n = self.num_speculative_tokens
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        if n is not None and not is_positive_int(n):
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {n!r}")
         check_draft_schedule(self.num_speculative_tokens_by_batch, n)
 

@@ -81,7 +81,7 @@ class LLMEngine:
             )
         # Rows past the committed tokens a step may write (anchor + N masks), for any N the
         # draft schedule picks (all are <= num_spec).
-        lookahead = self.num_spec + 1 if self.num_spec else 0
+        self.lookahead = lookahead = self.num_spec + 1 if self.num_spec else 0
         # RoPE tables cover the block the drafter writes past the last committed token.
         max_positions = max(target_cfg.max_position_embeddings, self.max_model_len + 2 * lookahead)
         target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
@@ -168,8 +168,7 @@ class LLMEngine:
         propose (drafter) of 1+N rows for each N of the draft schedule, at the buckets of the
         batch sizes that use that N. Off CUDA the graphs are eager twins (tests)."""
         t0 = time.perf_counter()
-        lookahead = self.num_spec + 1 if self.num_spec else 0
-        max_blocks = self._max_blocks_per_seq(lookahead)
+        max_blocks = self._max_blocks_per_seq(self.lookahead)
         pool = None
 
         def capture(module: torch.nn.Module, q: int, sizes: list[int]) -> CUDAGraphRunner:

@@ -54,6 +54,12 @@ class PerDevice(Generic[Fn]):
         return self._resolved[1]
 
 
+def needs_autograd(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call must stay on the torch twin because it is being differentiated (training):
+    the Triton kernels have no backward."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 @functools.cache  # find_spec searches sys.path: once per process, not per call
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.rmsnorm import rms_norm_torch
-from blockdraft.kernels.select import PerDevice, RMSNormFn, get_rms_norm_backend
+from blockdraft.kernels.select import PerDevice, RMSNormFn, get_rms_norm_backend, needs_autograd
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +26,8 @@ class RMSNorm(nn.Module):
         return self._kernel(x, residual)(x, self.weight, self.eps, residual)
 
     def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> RMSNormFn:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return rms_norm_torch  # training: the Triton kernel has no backward
+        if needs_autograd(x, self.weight):
+            return rms_norm_torch
         if residual is not None and residual.dtype != x.dtype:
             return rms_norm_torch  # mixed dtypes (autocast): the kernel wants one dtype
         return self._backend(x.device)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.rope import qk_norm_rope_torch, rope_torch
-from blockdraft.kernels.select import PerDevice, get_rope_backend
+from blockdraft.kernels.select import PerDevice, get_rope_backend, needs_autograd
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -60,9 +60,8 @@ class RotaryEmbedding(nn.Module):
         eps: float = 1e-6,  # of the q/k norms
     ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key)
         """`(rope(q_norm(query)), rope(k_norm(key)))`, one kernel for both on the Triton path."""
-        tensors = (query, key, q_norm_weight, k_norm_weight)
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-            fn = qk_norm_rope_torch  # training: the Triton kernel has no backward
+        if needs_autograd(query, key, q_norm_weight, k_norm_weight):
+            fn = qk_norm_rope_torch
         else:
             fn = self._backend(key.device)
         return fn(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdraft.kernels.rope import silu_mul_torch
-from blockdraft.kernels.select import PerDevice, get_silu_mul_backend
+from blockdraft.kernels.select import PerDevice, get_silu_mul_backend, needs_autograd
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -112,8 +112,8 @@ class MLP(nn.Module):
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:  # row-strided halves of one output; the activation kernel reads them in place
             gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
-        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-            act = silu_mul_torch(gate, up)  # training: the Triton kernel has no backward
+        if needs_autograd(gate, up):
+            act = silu_mul_torch(gate, up)
         else:
             act = self._silu_mul(gate.device)(gate, up)
         return self.down_proj(act)

@@ -169,12 +169,11 @@ def load_sharegpt_prompts(
     for record in iter_json_array(path):
         turns = record.get("conversations") if isinstance(record, dict) else None
         chat = [m for m in _chat_turns(turns or []) if m["role"] != "system"]
-        for i, message in enumerate(chat):
-            if message["role"] != "user":
-                continue
-            prompts.append(chat[: i + 1] if all_turns else [message])
-            if not all_turns:
-                break
+        user_turns = [i for i, m in enumerate(chat) if m["role"] == "user"]
+        if all_turns:
+            prompts.extend(chat[: i + 1] for i in user_turns)
+        elif user_turns:
+            prompts.append([chat[user_turns[0]]])
         if limit is not None and len(prompts) >= limit:
             return prompts[:limit]
     return prompts
