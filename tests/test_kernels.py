@@ -22,7 +22,6 @@ from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.kernels import select  # noqa: E402
 from blockdraft.kernels.dflash_inputs import (  # noqa: E402
     DFlashInputs,
-    prepare_dflash_inputs,
     prepare_dflash_inputs_torch,
 )
 from blockdraft.kernels.forward_context import (  # noqa: E402
@@ -39,6 +38,7 @@ from blockdraft.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
     triton_paged_attention,
 )
+from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs  # noqa: E402
 from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
 from blockdraft.kernels.triton_rope import triton_qk_norm_rope  # noqa: E402
@@ -604,25 +604,36 @@ def test_decoder_layers_fused_residual_norm(
 
 
 def dflash_case(
-    rng: torch.Generator, num_reqs: int, num_spec: int, block_size: int
+    rng: torch.Generator,
+    num_reqs: int,
+    num_spec: int,
+    block_size: int,
+    drafts: torch.Tensor | None = None,  # [num_reqs] bool: which requests draft; random if None
 ) -> tuple[dict, list[list[int]]]:
     """Requests laid out as a verify/prefill batch: each has its committed rows followed by
-    a few rejected ones; the block tables cover the block [anchor, MASK x N]."""
+    a few rejected ones. A random subset drafts (their block tables cover the block [anchor,
+    MASK x N]); the others are mid-prefill chunks whose tables end at their last committed
+    row, so a query block for them would fall past their table."""
     num_ctx = torch.randint(0, 6, (num_reqs,), generator=rng)
     num_ctx[:1] = 1  # a decode-like request with one committed row
     rejected = torch.randint(0, 3, (num_reqs,), generator=rng)
     rows = num_ctx + rejected
     starts = torch.cumsum(rows, 0) - rows
     anchor_positions = num_ctx + torch.randint(0, 20, (num_reqs,), generator=rng)
+    if drafts is None:
+        drafts = torch.rand(num_reqs, generator=rng) < 0.7
     tables = [
-        torch.randperm(200, generator=rng)[: (int(p) + num_spec) // block_size + 1].tolist()
-        for p in anchor_positions
+        torch.randperm(200, generator=rng)[
+            : (int(p) + num_spec) // block_size + 1 if d else max(-(-int(p) // block_size), 1)
+        ].tolist()
+        for p, d in zip(anchor_positions, drafts, strict=True)
     ]
     args = dict(
         anchor_tokens=torch.randint(0, 50, (num_reqs,), generator=rng).to(DEVICE),
         anchor_positions=anchor_positions.to(DEVICE),
         ctx_row_start=starts.to(DEVICE),
         num_ctx=num_ctx.to(DEVICE),
+        proposers=torch.nonzero(drafts).flatten().to(DEVICE),
         block_size=block_size,
         num_spec=num_spec,
         mask_token_id=99,
@@ -633,7 +644,7 @@ def dflash_case(
 def padded_tables(tables: list[list[int]], num_rows: int) -> torch.Tensor:
     width = max([len(t) for t in tables] + [1])
     rows = [t + [0] * (width - len(t)) for t in tables] + [[0] * width] * (num_rows - len(tables))
-    return torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    return torch.tensor(rows, dtype=torch.int64, device=DEVICE).view(-1, width)
 
 
 def poisoned(num_reqs_padded: int, num_spec: int, num_ctx_rows: int) -> DFlashInputs:
@@ -645,14 +656,15 @@ def poisoned(num_reqs_padded: int, num_spec: int, num_ctx_rows: int) -> DFlashIn
 
 @pytest.mark.parametrize(
     "num_reqs,num_reqs_padded,num_spec,block_size",
-    [(3, 5, 4, 4), (1, 1, 1, 16), (0, 2, 3, 4), (21, 32, 7, 4)],
+    [(3, 5, 4, 4), (1, 1, 1, 16), (0, 2, 3, 4), (21, 32, 7, 4), (40, 24, 3, 4)],
 )
 def test_prepare_dflash_inputs(
     rng, num_reqs: int, num_reqs_padded: int, num_spec: int, block_size: int
 ) -> None:
     args, tables = dflash_case(rng, num_reqs, num_spec, block_size)
+    args["proposers"] = args["proposers"][:num_reqs_padded]
     num_ctx_rows = int((args["ctx_row_start"][-1:] + args["num_ctx"][-1:]).sum()) + 300
-    block_tables = padded_tables(tables, num_reqs_padded)
+    block_tables = padded_tables(tables, num_reqs)
     sizes = dict(num_reqs_padded=num_reqs_padded, num_ctx_rows=num_ctx_rows)
     expected = prepare_dflash_inputs_torch(**args, block_tables=block_tables, **sizes)
     got = prepare_dflash_inputs(
@@ -666,41 +678,45 @@ def test_prepare_dflash_inputs(
 
 
 def test_prepare_dflash_inputs_spec(rng) -> None:
-    """The twin agrees with the engine's host-side construction (DFlashProposer.propose and
-    write_context) for the real requests, and pads with inert rows."""
-    num_reqs, num_reqs_padded, n, block_size = 4, 6, 3, 4
+    """The twin agrees with a host-side construction from lists (the engine's metadata for
+    the drafter's blocks, and slots of the committed rows), pads with inert rows, and gives
+    requests that do not draft no query block."""
+    num_reqs, num_reqs_padded, n, block_size = 6, 8, 3, 4
     q = n + 1
-    args, tables = dflash_case(rng, num_reqs, n, block_size)
+    drafts = torch.tensor([True, False, True, True, False, True])
+    args, tables = dflash_case(rng, num_reqs, n, block_size, drafts)
     num_ctx_rows = 40
     got = prepare_dflash_inputs_torch(
         **args,
-        block_tables=padded_tables(tables, num_reqs_padded),
+        block_tables=padded_tables(tables, num_reqs),
         num_reqs_padded=num_reqs_padded,
         num_ctx_rows=num_ctx_rows,
     )
-    anchors = args["anchor_tokens"].tolist()
-    positions = args["anchor_positions"].tolist()
-    meta = build_attention_metadata(tables, positions, [q] * num_reqs, block_size, DEVICE)
-    real = num_reqs * q
+    props = args["proposers"].tolist()
+    num_props = len(props)
+    anchors = [args["anchor_tokens"].tolist()[c] for c in props]
+    positions = [args["anchor_positions"].tolist()[c] for c in props]
+    prop_tables = [tables[c] for c in props]
+    meta = build_attention_metadata(prop_tables, positions, [q] * num_props, block_size, DEVICE)
+    real = num_props * q
     assert got.input_ids[:real].tolist() == [t for a in anchors for t in [a] + [99] * n]
     assert got.positions[:real].tolist() == [p + i for p in positions for i in range(q)]
     assert torch.equal(got.slot_mapping[:real], meta.slot_mapping)
-    assert torch.equal(got.query_start_loc[: num_reqs + 1], meta.query_start_loc)
-    assert torch.equal(got.seq_lens[:num_reqs], meta.seq_lens)
-    assert got.sample_indices.view(num_reqs_padded, n)[:num_reqs].tolist() == [
-        [r * q + 1 + i for i in range(n)] for r in range(num_reqs)
-    ]
+    assert torch.equal(got.query_start_loc[: num_props + 1], meta.query_start_loc)
+    assert torch.equal(got.seq_lens[:num_props], meta.seq_lens)
     # Padded requests: inert dummy blocks.
     assert got.input_ids[real:].eq(99).all()
     assert got.slot_mapping[real:].eq(PAD_SLOT_ID).all()
-    assert got.seq_lens[num_reqs:].eq(q).all()
+    assert got.seq_lens[num_props:].eq(q).all()
     assert got.query_start_loc.tolist() == [r * q for r in range(num_reqs_padded + 1)]
-    # Context: committed rows get the positions right before their anchor and those slots.
+    # Context, of every request: committed rows get the positions right before their anchor
+    # and those slots.
     expected_pos = [0] * num_ctx_rows
     expected_slot = [PAD_SLOT_ID] * num_ctx_rows
+    all_positions = args["anchor_positions"].tolist()
     for r in range(num_reqs):
         start, count = int(args["ctx_row_start"][r]), int(args["num_ctx"][r])
-        ctx = range(positions[r] - count, positions[r])
+        ctx = range(all_positions[r] - count, all_positions[r])
         expected_pos[start : start + count] = list(ctx)
         expected_slot[start : start + count] = slots_for_positions(tables[r], ctx, block_size)
     assert got.context_positions.tolist() == expected_pos
@@ -717,12 +733,14 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_rms_norm_backend(DEVICE) is rms_norm_torch
     assert select.get_rope_backend(DEVICE) is qk_norm_rope_torch
     assert select.get_silu_mul_backend(DEVICE) is silu_mul_torch
+    assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs_torch
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
     assert select.get_rms_norm_backend(DEVICE) is triton_rms_norm
     assert select.get_rope_backend(DEVICE) is triton_qk_norm_rope
     assert select.get_silu_mul_backend(DEVICE) is triton_silu_mul
+    assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected

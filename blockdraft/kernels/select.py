@@ -1,7 +1,8 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding and the MLP's SiLU-and-multiply (unset or "auto": Triton on CUDA
+q/k norm + rotary embedding, the MLP's SiLU-and-multiply and the DFlash drafter's input
+preparation (unset or "auto": Triton on CUDA
 when it imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter,
 which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the
 Triton kernels lazily, on the first call that wants them.
@@ -24,6 +25,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch
@@ -33,6 +35,7 @@ StoreKVFn = Callable[..., None]
 RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+DFlashInputsFn = Callable[..., object]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -133,3 +136,14 @@ def get_silu_mul_backend(device: torch.device | str | None = None) -> SiluMulFn:
 
         return triton_activation.triton_silu_mul
     return silu_mul_torch
+
+
+def get_dflash_inputs_backend(device: torch.device | str | None = None) -> DFlashInputsFn:
+    """`fn(anchor_tokens, anchor_positions, ctx_row_start, num_ctx, proposers, block_tables,
+    block_size, num_spec, mask_token_id, num_reqs_padded, num_ctx_rows) -> DFlashInputs`, same
+    switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_dflash_inputs
+
+        return triton_dflash_inputs.prepare_dflash_inputs
+    return prepare_dflash_inputs_torch
