@@ -106,15 +106,17 @@ class CUDAGraphRunner:
 
     def run(
         self,
-        input_ids: torch.Tensor,  # [R * q] int64 (host)
-        positions: torch.Tensor,  # [R * q] int64 (host)
-        slot_mapping: torch.Tensor,  # [R * q] int64 (host)
-        seq_lens: torch.Tensor,  # [R] int64 (host)
-        block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host)
+        input_ids: torch.Tensor,  # [R * q] int64 (host or device)
+        positions: torch.Tensor,  # [R * q] int64 (host or device)
+        slot_mapping: torch.Tensor,  # [R * q] int64 (host or device)
+        seq_lens: torch.Tensor,  # [R] int64 (host or device)
+        block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host or device)
         device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
     ) -> object:
-        """`device_ids` are input ids only the device holds (a verify's drafts): written over
-        those rows of the input buffer there, after the host's ids."""
+        """Inputs come from the host (the target's steps: one transfer each) or were built on
+        the device (the drafter's, from the target step's results: copied there, with no
+        host round trip). `device_ids` are input ids only the device holds (a verify's
+        drafts): written over those rows of the input buffer there, after the other ids."""
         num_seqs = seq_lens.shape[0]
         batch = next(b for b in self.batch_sizes if b >= num_seqs)
         rows, pad_rows = num_seqs * self.query_len, batch * self.query_len

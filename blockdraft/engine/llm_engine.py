@@ -13,18 +13,12 @@ import torch
 from blockdraft.config import EngineConfig
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
-from blockdraft.engine.model_runner import (
-    ModelRunner,
-    StepOutput,
-    allocate_kv_cache,
-    kv_bytes_per_block,
-    run_forward,
-)
+from blockdraft.engine.draft_launcher import DraftLauncher, run_drafter_block
+from blockdraft.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
 from blockdraft.engine.output_processor import OutputProcessor
-from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
-from blockdraft.engine.sequence import DraftBatch, PendingDrafts, Sequence
+from blockdraft.engine.scheduler import Scheduler
+from blockdraft.engine.sequence import PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
-from blockdraft.kernels.forward_context import int64_tensors, slots_for_positions
 from blockdraft.models.decoder import DecoderLM, fuse_projections
 from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
@@ -124,14 +118,8 @@ class LLMEngine:
             self.proposer = DFlashProposer(
                 drafter,
                 config.block_size,
-                lambda ids, starts, tables: run_forward(
-                    drafter,
-                    self.drafter_graphs,
-                    ids,
-                    starts,
-                    tables,
-                    config.block_size,
-                    self.device,
+                lambda inputs, num_reqs, tables, max_seq_len: run_drafter_block(
+                    self.proposer, self.drafter_graphs, inputs, num_reqs, tables, max_seq_len
                 ),
             )
 
@@ -150,6 +138,9 @@ class LLMEngine:
             spec.synthetic_acceptance_rate if spec is not None else None,
         )
         self.drafter_graphs: dict[int, CUDAGraphRunner] = {}
+        self.draft_launcher: DraftLauncher | None = None
+        if self.proposer is not None:
+            self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
         self.capture_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
@@ -288,9 +279,15 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        result = self.runner.execute(chunks)
-        if self.proposer is not None:
-            self._write_context(chunks, result)
+        launched = self.runner.launch(chunks)
+        drafts = None
+        if self.draft_launcher is not None:
+            # Queued before the readback, so the GPU drafts while the host processes the step.
+            # N by the batch the next step verifies: every request running now (those the
+            # readback will finish included: any N is lossless, verify takes a prefix).
+            num_drafts = self.draft_schedule.num_drafts(self.num_running)
+            drafts = self.draft_launcher.launch(launched, num_drafts)
+        result = self.runner.finish(launched)  # the step's one device-to-host read
         touched: list[Sequence] = []
         for chunk, tokens, accepted in zip(
             chunks, result.new_tokens, result.num_accepted, strict=True
@@ -312,8 +309,13 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self.scheduler.finish(seq)
             touched.append(seq)
-        if self.proposer is not None:
-            self._propose([s for s in touched if not s.is_finished])
+        if drafts is not None:
+            # The drafts stay on the device; each surviving proposer keeps its row for its
+            # next verify, finished ones drop theirs.
+            for row, i in enumerate(drafts.proposers):
+                seq = chunks[i].seq
+                if not seq.is_finished:
+                    seq.drafts = PendingDrafts(drafts.batch, row)
         outputs = []
         for seq in touched:
             if seq.is_finished:
@@ -322,39 +324,3 @@ class LLMEngine:
                 self.output_processor.update_text(seq)
             outputs.append(OutputProcessor.make_output(seq))
         return outputs
-
-    def _write_context(self, chunks: list[ScheduledChunk], result: StepOutput) -> None:
-        """Context K/V for every row this step commits: whole prefill chunks, and the anchor
-        plus accepted drafts of each verify."""
-        rows, positions, slots = [], [], []
-        row = 0
-        bs = self.config.block_size
-        for chunk, accepted in zip(chunks, result.num_accepted, strict=True):
-            count = len(chunk.token_ids) if accepted is None else accepted + 1
-            span = range(chunk.start, chunk.start + count)
-            rows += range(row, row + count)
-            positions += span
-            slots += slots_for_positions(chunk.seq.block_table, span, bs)
-            row += len(chunk.token_ids)
-        self.proposer.write_context(result.features, rows, positions, slots)
-
-    def _propose(self, seqs: list[Sequence]) -> None:
-        if not seqs:
-            return
-        anchor_positions = [s.num_tokens - 1 for s in seqs]
-        (positions,) = int64_tensors(self.device, [p + 1 for p in anchor_positions])
-        st = self.runner.sampling.get(seqs, positions)
-        # N by the batch the next step verifies: every request running now (finished ones
-        # have left), not only those proposing.
-        num_drafts = self.draft_schedule.num_drafts(self.num_running)
-        tokens, probs = self.proposer.propose(
-            [s.token_ids[-1] for s in seqs],
-            anchor_positions,
-            [s.block_table for s in seqs],
-            st,
-            num_drafts,
-        )
-        # The drafts stay on the device; each request keeps its row for the next verify.
-        batch = DraftBatch(tokens, probs)
-        for i, seq in enumerate(seqs):
-            seq.drafts = PendingDrafts(batch, i)

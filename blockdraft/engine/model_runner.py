@@ -1,5 +1,7 @@
-"""Model runner: turns a scheduled step into flat tensors, runs the target, samples or verifies,
-and drives the speculator. It orchestrates; the feature logic lives in the modules it calls."""
+"""Model runner: turns a scheduled step into flat tensors, runs the target, samples or verifies
+(`launch`, all queued on the device), then reads the results back once (`finish`). The engine
+queues the drafter's work between the two. It orchestrates; the feature logic lives in the
+modules it calls."""
 
 from __future__ import annotations
 
@@ -33,7 +35,42 @@ class StepOutput:
 
     new_tokens: list[list[int]]
     num_accepted: list[int | None]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose target forward, sampling and verification are queued on the device and not
+    yet read back: what the drafter needs is here, on the device, so that its work can be
+    queued behind them before the host waits for the readback."""
+
+    chunks: list[ScheduledChunk]
+    row_ends: list[int]  # [C] flat row after each chunk's last row
+    decode: list[int]  # chunks that sampled a next token (decode, last prefill chunk)
+    verify: list[int]  # chunks that verified drafts
+    sampled: torch.Tensor | None  # [len(decode)] int64 next tokens
+    verify_tokens: torch.Tensor | None  # [len(verify), N+1] int64, -1 past the bonus token
+    num_accepted: torch.Tensor | None  # [len(verify)] int64 accepted drafts
     features: torch.Tensor | None  # [num_tokens, K * hidden] target features (speculating)
+    # The three results above, flat, on their way to the host (None: nothing to read), and the
+    # event after which they are there (None: they already are, off CUDA).
+    readback: torch.Tensor | None  # [D + V * (N+1) + V] int64
+    readback_ready: torch.cuda.Event | None
+
+
+def start_readback(
+    values: torch.Tensor,  # [n] int64 on the device
+) -> tuple[torch.Tensor, torch.cuda.Event | None]:  # [n] int64 on the host, its ready event
+    """Queues the copy of a step's results to (page-locked) host memory right behind the work
+    that produces them. Waiting on the event then waits for that point of the stream only, not
+    for the drafter work queued after it: the host does the step's bookkeeping while the GPU
+    drafts."""
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
 
 
 def allocate_kv_cache(
@@ -78,10 +115,10 @@ def run_forward(
         slots = flat_slots(block_tables, starts, query_lens, block_size)
         seq_lens = [s + n for s, n in zip(starts, query_lens, strict=True)]
         # The graph's inputs come from the host: one host tensor for the flat ones.
-        ids, pos, slot_mapping, lens = host_int64(flat_ids + positions + slots + seq_lens).split(
-            [rows, rows, rows, len(seq_lens)]
-        )
-        tables = host_int64(padded_block_tables(block_tables))
+        pinned = device.type == "cuda"
+        flat = host_int64(flat_ids + positions + slots + seq_lens, pinned)
+        ids, pos, slot_mapping, lens = flat.split([rows, rows, rows, len(seq_lens)])
+        tables = host_int64(padded_block_tables(block_tables), pinned)
         out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids)
         if isinstance(out, tuple):
             return tuple(o[:rows] if o is not None else None for o in out)
@@ -211,7 +248,9 @@ class ModelRunner:
         self.sampling = SamplingTensorCache(device)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepOutput:
+    def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
+        """Queues the target forward, the sampling of completing chunks and the verification
+        of drafts; reads nothing back."""
         query_lens = [len(c.token_ids) for c in chunks]
         ends = list(itertools.accumulate(query_lens))
         decode = [i for i, c in enumerate(chunks) if c.completes and not c.num_drafts]
@@ -229,17 +268,34 @@ class ModelRunner:
             self.device,
             None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten()),
         )
+        sampled = verify_tokens = num_accepted = None
+        if decode:
+            sampled = self._sample(decode, [ends[i] for i in decode], chunks, hidden)
+        if prepared is not None:
+            verify_tokens, num_accepted = self._verify(prepared, hidden)
+        parts = [t.flatten() for t in (sampled, verify_tokens, num_accepted) if t is not None]
+        readback, ready = start_readback(torch.cat(parts)) if parts else (None, None)
+        return LaunchedStep(
+            chunks,
+            ends,
+            decode,
+            verify,
+            sampled,
+            verify_tokens,
+            num_accepted,
+            features,
+            readback,
+            ready,
+        )
+
+    def finish(self, step: LaunchedStep) -> StepOutput:
+        """The step's one device-to-host read (one sync), for decode and verify alike."""
+        chunks, decode, verify = step.chunks, step.decode, step.verify
+        if step.readback_ready is not None:
+            step.readback_ready.synchronize()
+        host = step.readback.tolist() if step.readback is not None else []
         new_tokens: list[list[int]] = [[] for _ in chunks]
         num_accepted: list[int | None] = [None] * len(chunks)
-        results: list[torch.Tensor] = []  # on the device, read back together
-        if decode:
-            results.append(self._sample(decode, [ends[i] for i in decode], chunks, hidden))
-        if prepared is not None:
-            out, accepted = self._verify(prepared, hidden)
-            results += [out.flatten(), accepted]
-        # The step's one device-to-host read (one sync) for decode and verify alike; the
-        # drafts proposed after it stay on the device.
-        host = torch.cat(results).tolist() if results else []
         for i, tok in zip(decode, host[: len(decode)], strict=True):
             new_tokens[i] = [tok]
         if verify:
@@ -247,7 +303,7 @@ class ModelRunner:
             rows, counts = host[len(decode) : -len(verify)], host[-len(verify) :]
             for j, (i, n) in enumerate(zip(verify, counts, strict=True)):
                 new_tokens[i], num_accepted[i] = rows[j * q : j * q + n + 1], n
-        return StepOutput(new_tokens, num_accepted, features)
+        return StepOutput(new_tokens, num_accepted)
 
     def _sample(
         self, decode: list[int], ends: list[int], chunks: list[ScheduledChunk], hidden: torch.Tensor

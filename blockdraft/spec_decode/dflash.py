@@ -1,11 +1,15 @@
 """DFlash speculator: writes context K/V for committed tokens and drafts the next block.
 
-Per step, after the target has run and its tokens are committed:
-1. `write_context`: the target features of every committed row (prompt chunks, and the anchor
+Per step, right after the target's forward and verification are queued on the device (before
+the step's tokens are read back to the host), all from device tensors:
+1. `prepare_inputs`: one kernel turns the step's results (each request's committed rows and
+   new token) into the drafter's inputs: context positions/slots per flat target row (PAD for
+   rows not committed), and the query blocks of the requests that draft.
+2. `write_context`: the target features of every committed row (prompt chunks, and the anchor
    plus accepted drafts of each verify) go through fc/hidden_norm and each draft layer's k/v
    projection into the drafter's paged cache, at the rows' own positions. Rejected rows write
    nothing.
-2. `propose`: for each request that has a new anchor, the block [anchor, MASK x N] at positions
+3. `propose`: for each request that has a new anchor, the block [anchor, MASK x N] at positions
    p .. p+N runs through the drafter in one forward; its rows 1..N give N draft tokens. N may
    be below the drafter's block_size - 1 (the engine picks it by batch size): the drafter
    attends within the block it is given, so a shorter block is the same model on fewer masks.
@@ -20,71 +24,94 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.kernels.forward_context import (
-    build_attention_metadata,
-    forward_context,
-    int64_tensors,
-)
+from blockdraft.kernels.dflash_inputs import DFlashInputs
+from blockdraft.kernels.forward_context import AttentionMetadata, forward_context
+from blockdraft.kernels.select import PerDevice, get_dflash_inputs_backend
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash import DFlashDrafter
 from blockdraft.spec_decode.rejection_sampler import sample_drafts
 
+# run_block(inputs, num_reqs, block_tables [R, W] int64, max_seq_len) -> hidden [>= R * Q, H]
+RunBlockFn = Callable[[DFlashInputs, int, torch.Tensor, int], torch.Tensor]
+
 
 class DFlashProposer:
     def __init__(
-        self,
-        drafter: DFlashDrafter,
-        block_size: int,
-        run_forward: Callable[..., torch.Tensor] | None = None,
+        self, drafter: DFlashDrafter, block_size: int, run_block: RunBlockFn | None = None
     ) -> None:
         self.drafter = drafter
         self.block_size = block_size
         self.device = next(drafter.parameters()).device
-        # The engine hands in its forward runner (eager, or a CUDA-graph replay) so that this
+        # The engine hands in its block runner (eager, or a CUDA-graph replay) so that this
         # module stays below the engine in the import graph.
-        self.run_forward = run_forward or self._eager_forward
+        self.run_block = run_block or self.eager_block
+        self._prepare = PerDevice(get_dflash_inputs_backend)  # Triton on CUDA, else the twin
 
-    def _eager_forward(
-        self, token_ids: list[list[int]], starts: list[int], block_tables: list[list[int]]
-    ) -> torch.Tensor:
-        meta = build_attention_metadata(
-            block_tables, starts, [len(t) for t in token_ids], self.block_size, self.device
+    def prepare_inputs(
+        self,
+        anchor_tokens: torch.Tensor,  # [C] int64, each request's new token (read if drafting)
+        anchor_positions: torch.Tensor,  # [C] int64, position right after its committed rows
+        ctx_row_start: torch.Tensor,  # [C] int64, flat target row of its first committed row
+        num_ctx: torch.Tensor,  # [C] int64, its committed rows
+        proposers: torch.Tensor,  # [R] int64, the requests that draft (indices into C)
+        block_tables: torch.Tensor,  # [C, W] int64
+        num_drafts: int,  # N
+        num_ctx_rows: int,  # rows of the flat target batch
+    ) -> DFlashInputs:
+        return self._prepare(self.device)(
+            anchor_tokens,
+            anchor_positions,
+            ctx_row_start,
+            num_ctx,
+            proposers,
+            block_tables,
+            self.block_size,
+            num_drafts,
+            self.drafter.cfg.mask_token_id,
+            proposers.shape[0],
+            num_ctx_rows,
         )
-        flat = torch.tensor([t for ids in token_ids for t in ids], device=self.device)
-        positions = torch.tensor(
-            [s + i for s, ids in zip(starts, token_ids, strict=True) for i in range(len(ids))],
-            device=self.device,
-        )
-        with forward_context(meta):
-            return self.drafter(flat, positions)
 
     def write_context(
         self,
-        features: torch.Tensor,  # [num_tokens, K * hidden], this step's target features
-        rows: list[int],  # committed rows of this step's flat batch
-        positions: list[int],  # their positions
-        slots: list[int],  # their KV slots
+        features: torch.Tensor,  # [num_ctx_rows, K * hidden], this step's target features
+        inputs: DFlashInputs,  # context positions/slots per row, PAD where not committed
     ) -> None:
-        if not rows:
-            return
-        index, position, slot_mapping = int64_tensors(self.device, rows, positions, slots)
-        self.drafter.write_context(features.index_select(0, index), position, slot_mapping)
+        self.drafter.write_context(features, inputs.context_positions, inputs.context_slot_mapping)
+
+    def eager_block(
+        self,
+        inputs: DFlashInputs,
+        num_reqs: int,  # R drafting requests (the inputs hold no padded ones)
+        block_tables: torch.Tensor,  # [R, W] int64
+        max_seq_len: int,  # an upper bound on inputs.seq_lens, known on the host
+    ) -> torch.Tensor:  # [R * Q, hidden]
+        meta = AttentionMetadata(
+            slot_mapping=inputs.slot_mapping,
+            query_start_loc=inputs.query_start_loc,
+            seq_lens=inputs.seq_lens,
+            block_tables=block_tables,
+            max_query_len=inputs.input_ids.shape[0] // num_reqs,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            uniform_query_len=True,
+        )
+        with forward_context(meta):
+            return self.drafter(inputs.input_ids, inputs.positions)
 
     def propose(
         self,
-        anchors: list[int],  # last committed (bonus) token of each request
-        anchor_positions: list[int],
-        block_tables: list[list[int]],
-        st: SamplingTensors,  # one row per request, position = anchor position + 1
+        inputs: DFlashInputs,  # from prepare_inputs, R drafting requests
+        block_tables: torch.Tensor,  # [R, W] int64, the drafting requests' tables
+        max_seq_len: int,  # an upper bound on inputs.seq_lens, known on the host
+        st: SamplingTensors,  # one row per drafting request, position = anchor position + 1
         num_drafts: int,  # N
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R, N] int64, probs [R, N, V]
         """Returns N draft tokens per request, and their probabilities [R, N, V] when any
         request samples (None when all are greedy). Both stay on the device: the next verify
         reads them there, so proposing costs no host readback."""
-        n, q = num_drafts, num_drafts + 1
-        mask_id = self.drafter.cfg.mask_token_id
-        blocks = [[a] + [mask_id] * n for a in anchors]
-        hidden = self.run_forward(blocks, anchor_positions, block_tables)  # [R * q, hidden]
-        draft_hidden = hidden.view(len(anchors), q, -1)[:, 1:]  # [R, N, hidden]
-        logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(len(anchors), n, -1)
+        num_reqs, n = block_tables.shape[0], num_drafts
+        hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len)
+        draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
+        logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)
         return sample_drafts(logits, st)

@@ -7,7 +7,8 @@ for a cheaper verify, and a block-16 drafter runs well at block 8 (the DFlash pa
 
 The batch size is the number of running requests when the drafts are proposed: those are the
 requests the next step verifies (a request only gets drafts by proposing, so a step never
-verifies more requests with some N than ran when N was chosen).
+verifies more requests with some N than ran when N was chosen). Drafts are proposed before the
+step's tokens are read back, so requests that the step finishes still count; any N is lossless.
 """
 
 from __future__ import annotations
