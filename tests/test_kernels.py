@@ -803,6 +803,16 @@ def test_engine_greedy_same_with_triton_kernels(
     calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
     if speculative:
         calls["rope keys only"] = 0  # the drafter's context K (project_kv)
+        calls["dflash inputs"] = 0  # the drafter's inputs, built from the step's results
+
+        def counting_dflash_inputs(*args: object, **kwargs: object) -> DFlashInputs:
+            calls["dflash inputs"] += 1
+            return prepare_dflash_inputs(*args, **kwargs)
+
+        monkeypatch.setattr(
+            "blockdraft.kernels.triton_dflash_inputs.prepare_dflash_inputs",
+            counting_dflash_inputs,
+        )
 
     def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
         calls["attention"] += 1
@@ -829,7 +839,7 @@ def test_engine_greedy_same_with_triton_kernels(
     monkeypatch.setattr("blockdraft.kernels.triton_rope.triton_qk_norm_rope", counting_rope)
     monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
     got = generate("triton")
-    # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE
-    # and the MLP activations all ran in Triton.
+    # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE,
+    # the MLP activations (and the drafter's inputs) all ran in Triton.
     assert all(calls.values()), f"the engine skipped a Triton backend: {calls}"
     assert got == expected
