@@ -1,10 +1,10 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding and the MLP's SiLU-and-multiply (unset or "auto": Triton on CUDA
-when it imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter,
-which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the
-Triton kernels lazily, on the first call that wants them.
+q/k norm + rotary embedding, the MLP's SiLU-and-multiply and the few-row linears (unset or
+"auto": Triton on CUDA when it imports, torch otherwise). Triton on a CPU tensor only runs
+under its interpreter, which reads TRITON_INTERPRET=1 when triton is first imported: so this
+module imports the Triton kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -24,6 +24,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch
@@ -33,6 +34,7 @@ StoreKVFn = Callable[..., None]
 RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -133,3 +135,13 @@ def get_silu_mul_backend(device: torch.device | str | None = None) -> SiluMulFn:
 
         return triton_activation.triton_silu_mul
     return silu_mul_torch
+
+
+def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
+    """`fn(x, weight, bias) -> x @ weight.T + bias`, the skinny GEMM for few rows, same switch.
+    Callers keep it to the rows it is made for (`blockdraft.models.decoder.linear`)."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_linear
+
+        return triton_linear.skinny_linear
+    return skinny_linear_torch
