@@ -213,9 +213,21 @@ def main() -> None:
         help="also run DFlash with this block size at the two top concurrencies",
     )
     p.add_argument("--profile", action="store_true", help="profile batch-1 steps")
+    p.add_argument(
+        "--skinny-rows",
+        type=int,
+        default=None,
+        help="linears of at most this many rows run the Triton skinny GEMM (0: cuBLAS only)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.skinny_rows is not None:
+        from blockdraft.models import decoder
+
+        decoder.SKINNY_MAX_ROWS = args.skinny_rows
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
+    if args.skinny_rows is not None:
+        results["skinny_max_rows"] = args.skinny_rows
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()

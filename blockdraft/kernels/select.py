@@ -1,11 +1,11 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding, the MLP's SiLU-and-multiply and the DFlash drafter's input
-preparation (unset or "auto": Triton on CUDA
-when it imports, torch otherwise). Triton on a CPU tensor only runs under its interpreter,
-which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the
-Triton kernels lazily, on the first call that wants them.
+q/k norm + rotary embedding, the MLP's SiLU-and-multiply, the few-row linears and the DFlash
+drafter's input preparation (unset or "auto": Triton on CUDA when it imports, torch otherwise).
+Triton on a CPU tensor only runs under its interpreter, which reads TRITON_INTERPRET=1 when
+triton is first imported: so this module imports the Triton kernels lazily, on the first call
+that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 import torch
 
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
+from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch
@@ -36,6 +37,7 @@ RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DFlashInputsFn = Callable[..., object]
+LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -147,3 +149,13 @@ def get_dflash_inputs_backend(device: torch.device | str | None = None) -> DFlas
 
         return triton_dflash_inputs.prepare_dflash_inputs
     return prepare_dflash_inputs_torch
+
+
+def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
+    """`fn(x, weight, bias) -> x @ weight.T + bias`, the skinny GEMM for few rows, same switch.
+    Callers keep it to the rows it is made for (`blockdraft.models.decoder.linear`)."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_linear
+
+        return triton_linear.skinny_linear
+    return skinny_linear_torch

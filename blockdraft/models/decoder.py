@@ -12,11 +12,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockdraft.kernels.rope import silu_mul_torch
-from blockdraft.kernels.select import PerDevice, get_silu_mul_backend, needs_autograd
+from blockdraft.kernels.select import (
+    PerDevice,
+    get_linear_backend,
+    get_silu_mul_backend,
+    needs_autograd,
+)
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.models.model_config import TransformerConfig
+
+# At most this many rows (decode: the batch; verify: batch * (1 + N)), a linear on the GPU runs
+# the skinny GEMM, which only streams the weight; more rows are cuBLAS's. 0 (off) until its
+# configs are measured against cuBLAS on the H200 (benchmarks/gemv_bench.py).
+SKINNY_MAX_ROWS = 0
+# Compiled Triton only: in the interpreter the kernel would crawl through every projection.
+SKINNY_DEVICE_TYPE = "cuda"
+
+
+def linear(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [num_tokens, out_features]
+    """`F.linear`, through `get_linear_backend` (the Triton skinny GEMM) for a few rows on the
+    GPU outside autograd; CPU and training run F.linear itself."""
+    if (
+        x.device.type == SKINNY_DEVICE_TYPE
+        and x.shape[:-1].numel() <= SKINNY_MAX_ROWS
+        and not needs_autograd(x, weight, bias)
+    ):
+        return get_linear_backend(x.device)(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class SelfAttention(nn.Module):
@@ -57,7 +85,7 @@ class SelfAttention(nn.Module):
         else:
             weight, bias = self._qkv
             q_rows = self._split[0]  # the k and v rows of the fused matrix are contiguous
-            kv = F.linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            kv = linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
             k, v = kv.split(self._split[1:], dim=-1)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -83,12 +111,12 @@ class SelfAttention(nn.Module):
         if self._qkv is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:  # row views of one [num_tokens, q + 2 kv] output
-            q, k, v = F.linear(x, *self._qkv).split(self._split, dim=-1)
+            q, k, v = linear(x, *self._qkv).split(self._split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.norm_rope(positions, q, k)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return linear(self.attn(q, k, v).flatten(1), self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -111,12 +139,12 @@ class MLP(nn.Module):
         if self._gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:  # row-strided halves of one output; the activation kernel reads them in place
-            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
+            gate, up = linear(x, *self._gate_up).chunk(2, dim=-1)
         if needs_autograd(gate, up):
             act = silu_mul_torch(gate, up)
         else:
             act = self._silu_mul(gate.device)(gate, up)
-        return self.down_proj(act)
+        return linear(act, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -240,4 +268,4 @@ class DecoderLM(nn.Module):
         return x, features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()

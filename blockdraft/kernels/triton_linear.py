@@ -1,0 +1,372 @@
+"""Skinny GEMM for few-row linears: `y = x @ W.T (+ bias)` with M <= 16 rows.
+
+`skinny_linear_torch` (in `blockdraft.kernels.linear`) is the specification: `F.linear`. Batch
+decode (M = batch) and verify (M = batch * (1 + N)) steps multiply a handful of rows by every
+weight matrix of the model, so their GEMMs are reads of W and nothing else: the time is
+weight bytes / bandwidth, and the kernel's only job is to stream W at as close to the HBM peak
+as possible.
+
+A program owns BLOCK_N rows of W (nn.Linear's [N, K], row-major) and walks K in BLOCK_K chunks:
+each chunk is BLOCK_N contiguous runs of BLOCK_K elements, read in wide coalesced loads that
+bypass reuse (W is read once), against the matching [BLOCK_M, BLOCK_K] chunk of x (a few KB,
+served from L1/L2). Rows of W past N and of x past M are clamped to the last valid row instead
+of masked, so that the loads stay unpredicated; the store drops them. Two inner products:
+
+- USE_DOT: `tl.dot(w, x.T)` on tensor cores, the M rows padded to a 16-row tile (mma needs
+  16; the padding costs nothing here, the tile is loaded from L1). W is the left operand
+  ("swap AB"), so BLOCK_N, not M, is the tile's long side.
+- otherwise: a broadcast multiply of the W chunk by each row of x into one [BLOCK_N, BLOCK_K]
+  fp32 accumulator per row (up to 4 rows a program), reduced over K once after the loop (no
+  cross-lane shuffles inside it): for M of 1 or 2, where a 16-row mma would waste most of its
+  work and the accumulators still fit in registers.
+
+SPLIT_K > 1 cuts K into SPLIT_K ranges whose fp32 partial sums go to a [SPLIT_K, M, N]
+workspace, summed in a fixed order (with the bias) by a second kernel: deterministic, unlike
+atomics. It pays only when N / BLOCK_N leaves SMs idle.
+
+Launch parameters come from `DEFAULT_CONFIGS` (by M bucket and the exact (N, K), else the
+nearest tabulated shape): `benchmarks/gemv_bench.py` measures the candidates on a GPU and
+prints a table to paste there. Only tensor shapes steer the launch: no host sync, so calls can
+be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from blockdraft.kernels.linear import skinny_linear_torch
+
+__all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_torch"]
+
+
+@triton.jit
+def _row_term(
+    acc,  # [BLOCK_N, BLOCK_K] fp32, this row's running products
+    w,  # [BLOCK_N, BLOCK_K] fp32, the weight chunk
+    x_ptr,
+    row,  # int64, clamped to a valid row of x
+    stride_xm,
+    k_offs,  # [BLOCK_K] positions along K
+    k_ok,  # [BLOCK_K] bool; ignored when EVEN_K
+    EVEN_K: tl.constexpr,
+):
+    if EVEN_K:
+        x = tl.load(x_ptr + row * stride_xm + k_offs)
+    else:
+        x = tl.load(x_ptr + row * stride_xm + k_offs, mask=k_ok, other=0.0)
+    return acc + w * x.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _store_rows(
+    acc,  # [BLOCK_N, ROWS] fp32 (ROWS = BLOCK_M on the dot path, 1 on the broadcast path)
+    out_ptr,
+    bias_ptr,
+    offs_n,  # [BLOCK_N]
+    rows_n,  # [BLOCK_N] clamped
+    offs_m,  # [ROWS]
+    N,
+    M,
+    stride_om,
+    split_offset,  # int64 offset of this split's workspace slice
+    SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    ok = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows_n).to(tl.float32)[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptrs + split_offset, acc, mask=ok)
+
+
+# M is not specialised (Triton would compile M == 1 and M % 16 == 0 apart): one compile per
+# config serves every row count, and the clamps and store masks on M cost nothing here.
+@triton.jit(do_not_specialize=["M"])
+def _skinny_matmul_kernel(
+    x_ptr,  # [M, K], unit column stride
+    w_ptr,  # [N, K], unit column stride
+    bias_ptr,  # [N]; read when HAS_BIAS (and SPLIT_K == 1)
+    out_ptr,  # [M, N] x's dtype; with SPLIT_K > 1 the fp32 workspace [SPLIT_K, M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,  # workspace stride between splits
+    k_per_split,  # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,  # 16 with USE_DOT; 1, 2 or 4 without
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no masks along K
+    HAS_BIAS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Clamped, not masked: rows past N or M reread a valid row, and the store drops them.
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    k_start = pid_k * k_per_split
+    k_len = tl.minimum(K - k_start, k_per_split)  # <= 0 for a trailing empty split
+    split_offset = pid_k.to(tl.int64) * stride_os
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
+    if USE_DOT:
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+                x = tl.load(x_ptrs)
+            else:
+                k_ok = (offs_k < k_len - k)[None, :]
+                w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            # fp32 stays fp32 ("ieee"), as F.linear without TF32; ignored for 16-bit inputs.
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        _store_rows(
+            acc, out_ptr, bias_ptr, offs_n, rows_n, offs_m, N, M, stride_om, split_offset,
+            SPLIT_K, HAS_BIAS,
+        )  # fmt: skip
+    else:
+        # One [BLOCK_N, BLOCK_K] fp32 accumulator per row of x, all fed by the same W chunk in
+        # its coalesced load layout, reduced over K once after the loop.
+        row0 = tl.minimum(m0, M - 1).to(tl.int64)
+        row1 = tl.minimum(m0 + 1, M - 1).to(tl.int64)
+        row2 = tl.minimum(m0 + 2, M - 1).to(tl.int64)
+        row3 = tl.minimum(m0 + 3, M - 1).to(tl.int64)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
+        x_offs = k_start + offs_k
+        for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = offs_k < k_len - k
+            if EVEN_K:
+                w = tl.load(w_ptrs, eviction_policy="evict_first")
+            else:
+                w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            w = w.to(tl.float32)
+            acc0 = _row_term(acc0, w, x_ptr, row0, stride_xm, x_offs + k, k_ok, EVEN_K)
+            if BLOCK_M > 1:
+                acc1 = _row_term(acc1, w, x_ptr, row1, stride_xm, x_offs + k, k_ok, EVEN_K)
+            if BLOCK_M > 2:
+                acc2 = _row_term(acc2, w, x_ptr, row2, stride_xm, x_offs + k, k_ok, EVEN_K)
+                acc3 = _row_term(acc3, w, x_ptr, row3, stride_xm, x_offs + k, k_ok, EVEN_K)
+            w_ptrs += BLOCK_K
+        one = tl.arange(0, 1)
+        _store_rows(
+            tl.sum(acc0, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + one, N, M,
+            stride_om, split_offset, SPLIT_K, HAS_BIAS,
+        )  # fmt: skip
+        if BLOCK_M > 1:
+            _store_rows(
+                tl.sum(acc1, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + 1 + one,
+                N, M, stride_om, split_offset, SPLIT_K, HAS_BIAS,
+            )  # fmt: skip
+        if BLOCK_M > 2:
+            _store_rows(
+                tl.sum(acc2, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + 2 + one,
+                N, M, stride_om, split_offset, SPLIT_K, HAS_BIAS,
+            )  # fmt: skip
+            _store_rows(
+                tl.sum(acc3, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + 3 + one,
+                N, M, stride_om, split_offset, SPLIT_K, HAS_BIAS,
+            )  # fmt: skip
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums
+    bias_ptr,  # [N]; read when HAS_BIAS
+    out_ptr,  # [M, N]
+    N,
+    stride_ws,  # M * N
+    stride_om,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # a fixed order: the same sum on every run
+        acc += tl.load(ws_ptr + s * stride_ws + m * N + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class SkinnyConfig(NamedTuple):
+    """Launch parameters of `_skinny_matmul_kernel`."""
+
+    block_n: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+    num_stages: int = 1
+    split_k: int = 1
+    use_dot: bool = False
+
+    def __repr__(self) -> str:  # positional: short table lines, still pasteable
+        return f"SkinnyConfig{tuple(self)!r}"
+
+
+# (M bucket = next power of two of M, N, K) ->
+#     SkinnyConfig(block_n, block_k, num_warps, num_stages, split_k, use_dot)
+# for the Qwen3-8B projections; other shapes take the entry of their M bucket nearest in
+# log N + log K. Untuned first guesses, to be replaced by the table that
+# `benchmarks/gemv_bench.py` prints on an H200. M 1-2: broadcast path, about 64 fp32
+# accumulators a thread; N = 4096 takes narrower strips (more programs than twice the 132 SMs).
+# M 4-16: tensor cores on a 16-row padded tile; down_proj (long K, few strips) splits K.
+DEFAULT_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    # fused qkv
+    (1, 6144, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
+    (2, 6144, 4096): SkinnyConfig(16, 256, 4, 1, 1, False),
+    (4, 6144, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (8, 6144, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (16, 6144, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    # o_proj
+    (1, 4096, 4096): SkinnyConfig(8, 1024, 4, 1, 1, False),
+    (2, 4096, 4096): SkinnyConfig(8, 512, 4, 1, 1, False),
+    (4, 4096, 4096): SkinnyConfig(16, 256, 4, 4, 1, True),
+    (8, 4096, 4096): SkinnyConfig(16, 256, 4, 4, 1, True),
+    (16, 4096, 4096): SkinnyConfig(16, 256, 4, 4, 1, True),
+    # fused gate_up
+    (1, 24576, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
+    (2, 24576, 4096): SkinnyConfig(16, 256, 4, 1, 1, False),
+    (4, 24576, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (8, 24576, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (16, 24576, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    # down_proj
+    (1, 4096, 12288): SkinnyConfig(8, 1024, 4, 1, 1, False),
+    (2, 4096, 12288): SkinnyConfig(8, 512, 4, 1, 1, False),
+    (4, 4096, 12288): SkinnyConfig(32, 256, 4, 3, 2, True),
+    (8, 4096, 12288): SkinnyConfig(32, 256, 4, 3, 2, True),
+    (16, 4096, 12288): SkinnyConfig(32, 256, 4, 3, 2, True),
+    # lm_head
+    (1, 151936, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
+    (2, 151936, 4096): SkinnyConfig(16, 256, 4, 1, 1, False),
+    (4, 151936, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (8, 151936, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (16, 151936, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+}
+
+
+def m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), 16)
+
+
+def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """The tabulated config for (M bucket, N, K), else that of the nearest tabulated shape of
+    the same M bucket, with BLOCK_K and SPLIT_K cut down to what a short K can use."""
+    bucket = m_bucket(m)
+    cfg = DEFAULT_CONFIGS.get((bucket, n, k))
+    if cfg is not None:
+        return cfg
+    same = [key for key in DEFAULT_CONFIGS if key[0] == bucket] or list(DEFAULT_CONFIGS)
+    if not same:
+        return SkinnyConfig(use_dot=bucket >= 4)
+
+    def distance(key: tuple[int, int, int]) -> float:
+        return abs(math.log2(key[1] / n)) + abs(math.log2(key[2] / k)) + abs(key[0] - bucket)
+
+    cfg = DEFAULT_CONFIGS[min(same, key=distance)]
+    block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
+    split_k = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    return cfg._replace(block_k=block_k, split_k=split_k)
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [..., K], unit column stride (rows may be strided)
+    weight: torch.Tensor,  # [N, K], unit column stride (rows may be strided)
+    bias: torch.Tensor | None = None,  # [N]
+    config: SkinnyConfig | None = None,
+    *,
+    out: torch.Tensor | None = None,  # [..., N] preallocated output, unit column stride
+) -> torch.Tensor:  # [..., N], x's dtype
+    """`F.linear(x, weight, bias)` for few rows of x; fp32 accumulation. Any row count works
+    (the grid tiles M by 16) but past 16 rows cuBLAS's GEMMs are the better choice. A weight
+    without unit column stride is left to F.linear rather than copied."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {k}")
+    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError("x, weight and bias must share one dtype")
+    if out is None:
+        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    rows = x.reshape(-1, k)
+    m = rows.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0 or weight.stride(1) != 1:
+        out.copy_(skinny_linear_torch(x, weight, bias))
+        return out
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out_rows = out.view(-1, n)
+    cfg = config if config is not None else pick_config(m, n, k)
+    block_m = 16 if cfg.use_dot else min(m_bucket(m), 4)
+    split_k = max(1, cfg.split_k)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)
+    target = out_rows
+    if split_k > 1:
+        target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _skinny_matmul_kernel[grid](
+        rows,
+        weight,
+        bias if bias is not None else weight,  # unused without HAS_BIAS
+        target,
+        m,
+        n,
+        k,
+        rows.stride(0),
+        weight.stride(0),
+        target.stride(-2),
+        target.stride(0) if split_k > 1 else 0,
+        k_per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SPLIT_K=split_k,
+        USE_DOT=cfg.use_dot,
+        EVEN_K=k % (cfg.block_k * split_k) == 0,
+        HAS_BIAS=bias is not None,
+        NUM_STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            target,
+            bias if bias is not None else target,
+            out_rows,
+            n,
+            target.stride(0),
+            out_rows.stride(0),
+            SPLIT_K=split_k,
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,244 @@
+"""The skinny GEMM (`blockdraft.kernels.triton_linear`) against F.linear, on fresh random inputs,
+and the decoder's `linear` helper that routes few-row projections to it.
+
+Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
+imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernel on
+the GPU. Shapes stay small: the interpreter costs about half a millisecond per program. The
+16-bit cases are fp16: Triton 3.7's interpreter gets bf16 `tl.dot` wrong (garbage ~1e10), a
+fault of the interpreter, not of the kernel (the broadcast path is right in bf16 there).
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+pytest.importorskip("triton")
+
+from blockdraft.kernels import select  # noqa: E402
+from blockdraft.kernels.linear import skinny_linear_torch  # noqa: E402
+from blockdraft.kernels.triton_linear import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    SkinnyConfig,
+    pick_config,
+    skinny_linear,
+)
+from blockdraft.models import decoder  # noqa: E402
+from blockdraft.models.decoder import MLP, DecoderLM, linear  # noqa: E402
+from blockdraft.models.model_config import TransformerConfig  # noqa: E402
+
+INTERPRETED = select._interpreting()
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+
+
+def randn(rng: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=rng).to(DEVICE, dtype)
+
+
+def inputs(
+    rng: torch.Generator, m: int, n: int, k: int, dtype: torch.dtype, bias: bool, strided: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [m, k] (a column slice of a wider matrix when strided: row stride k + 24), W [n, k]
+    scaled to keep outputs O(1), bias [n] or None."""
+    x = randn(rng, m, k + 24, dtype=dtype)[:, 5 : 5 + k] if strided else randn(rng, m, k)
+    x = x.to(dtype)
+    w = (randn(rng, n, k) / math.sqrt(k)).to(dtype)
+    return x, w, randn(rng, n, dtype=dtype) if bias else None
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear in float32, rounded once to x's dtype (what fp32 accumulation gives)."""
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+def check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    expected = reference(x, w, b)
+    assert got.shape == expected.shape and got.dtype == x.dtype
+    assert not got.isnan().any()
+    if x.dtype == torch.float32:
+        # Relative to the output's scale (elementwise relative error is meaningless where the
+        # sum cancels to about zero).
+        tol = dict(rtol=1e-5, atol=1e-5 * max(1.0, expected.abs().max().item()))
+    else:  # one rounding of the fp32 sum to 16 bits, both sides
+        tol = dict(rtol=2e-3, atol=2e-3 * max(1.0, expected.float().abs().max().item()))
+    torch.testing.assert_close(got, expected, **tol)
+
+
+def poisoned_out(m: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-filled [m, n] output, a column slice of a wider NaN buffer: columns of the buffer
+    outside the slice must stay NaN (no stray writes), the slice must lose every NaN."""
+    buffer = torch.full((m, n + 9), float("nan"), dtype=dtype, device=DEVICE)
+    return buffer, buffer[:, 3 : 3 + n]
+
+
+SHAPES = [(37, 72), (200, 136), (64, 128)]  # (N, K): odd, odd, aligned
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_skinny_linear_default_configs(rng, m: int, n: int, k: int, dtype: torch.dtype) -> None:
+    # With a bias and a row-strided x, into a poisoned output ...
+    x, w, b = inputs(rng, m, n, k, dtype, bias=True, strided=True)
+    buffer, out = poisoned_out(m, n, dtype)
+    got = skinny_linear(x, w, b, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    check(got, x, w, b)
+    assert buffer[:, :3].isnan().all() and buffer[:, 3 + n :].isnan().all()
+    # ... and without either, into a fresh one.
+    x, w, b = inputs(rng, m, n, k, dtype, bias=False, strided=False)
+    check(skinny_linear(x, w), x, w, b)
+
+
+CONFIGS = [
+    SkinnyConfig(block_n=16, block_k=32, use_dot=False),
+    SkinnyConfig(block_n=8, block_k=64, split_k=3, use_dot=False),
+    SkinnyConfig(block_n=16, block_k=32, num_stages=3, use_dot=True),
+    SkinnyConfig(block_n=32, block_k=16, split_k=4, use_dot=True),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"dot{int(c.use_dot)}-split{c.split_k}")
+@pytest.mark.parametrize("m", [1, 3, 16, 19])  # 19: more than one tile of rows
+def test_skinny_linear_paths(rng, cfg: SkinnyConfig, m: int) -> None:
+    """Both inner products and split-K, forced, on K that does (128) and does not (136) divide
+    into whole blocks, and N that is not a multiple of BLOCK_N."""
+    for n, k, bias in [(37, 136, True), (50, 128, False)]:
+        x, w, b = inputs(rng, m, n, k, torch.float32, bias=bias, strided=True)
+        buffer, out = poisoned_out(m, n, torch.float32)
+        check(skinny_linear(x, w, b, cfg, out=out), x, w, b)
+        assert buffer[:, :3].isnan().all() and buffer[:, 3 + n :].isnan().all()
+
+
+def test_split_k_deterministic(rng) -> None:
+    x, w, b = inputs(rng, 5, 40, 200, torch.float32, bias=True, strided=False)
+    cfg = SkinnyConfig(block_n=16, block_k=32, split_k=3, use_dot=True)
+    first = skinny_linear(x, w, b, cfg)
+    assert torch.equal(first, skinny_linear(x, w, b, cfg))
+
+
+@pytest.mark.parametrize(
+    "bucket,cfg",
+    sorted({(key[0], cfg) for key, cfg in DEFAULT_CONFIGS.items()}),
+    ids=lambda v: str(v) if isinstance(v, int) else f"{v.block_n}x{v.block_k}s{v.split_k}",
+)
+def test_skinny_linear_table_configs(rng, bucket: int, cfg: SkinnyConfig) -> None:
+    """Every config of the default table, at its M bucket's largest row count, on K past one
+    round of blocks (with a partial one)."""
+    k = cfg.block_k * cfg.split_k + 24
+    x, w, b = inputs(rng, bucket, 21, k, torch.float16, bias=True, strided=True)
+    check(skinny_linear(x, w, b, cfg), x, w, b)
+
+
+def test_pick_config() -> None:
+    for key, cfg in DEFAULT_CONFIGS.items():
+        assert pick_config(*key) == cfg
+    cfg = pick_config(3, 37, 72)  # an untabulated shape: blocks cut down to its short K
+    assert cfg.block_k <= 128 and cfg.split_k <= math.ceil(72 / cfg.block_k)
+    assert pick_config(3, 4096, 4096) == DEFAULT_CONFIGS[(4, 4096, 4096)]
+
+
+def test_skinny_linear_empty_and_leading_dims(rng) -> None:
+    x, w, b = inputs(rng, 0, 24, 40, torch.float32, bias=True, strided=False)
+    assert skinny_linear(x, w, b).shape == (0, 24)
+    x3 = randn(rng, 2, 3, 40)
+    check(skinny_linear(x3, w, b).flatten(0, 1), x3.flatten(0, 1), w, b)
+    with pytest.raises(ValueError):
+        skinny_linear(x3, w[:, :30])
+
+
+# --- backend selection and the decoder's helper -----------------------------------------------
+
+
+def test_linear_backend_selection(monkeypatch) -> None:
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    assert select.get_linear_backend(DEVICE) is skinny_linear_torch
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    assert select.get_linear_backend(DEVICE) is skinny_linear
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
+    expected = skinny_linear if DEVICE.type == "cuda" else skinny_linear_torch
+    assert select.get_linear_backend(DEVICE) is expected
+
+
+def test_torch_twin_is_f_linear(rng) -> None:
+    x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=True)
+    assert torch.equal(skinny_linear_torch(x, w, b), F.linear(x, w, b))
+
+
+def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) -> None:
+    def forbidden(device: torch.device) -> None:
+        raise AssertionError("the skinny GEMM was chosen")
+
+    monkeypatch.setattr(decoder, "get_linear_backend", forbidden)
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
+    x, w, b = x.cpu(), w.cpu(), b.cpu()
+    # On the CPU: F.linear itself, bit for bit, even with the Triton backend forced.
+    with torch.no_grad():
+        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
+    # Under autograd, on the skinny GEMM's device too: the kernel has no backward.
+    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    x, w, b = x.to(DEVICE), w.to(DEVICE).requires_grad_(True), b.to(DEVICE)
+    linear(x, w, b).sum().backward()
+    assert w.grad is not None
+
+
+def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
+    """With the device allowed (the interpreter on CPU), an MLP's gate_up and down projections
+    and the LM head go through the skinny GEMM for up to SKINNY_MAX_ROWS rows outside autograd,
+    and through F.linear otherwise."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # the default is off until tuned
+    calls = []
+
+    def counting(device: torch.device):
+        def run(x, weight, bias):
+            calls.append(tuple(weight.shape))
+            return skinny_linear(x, weight, bias)
+
+        assert select.get_linear_backend(device) is skinny_linear
+        return run
+
+    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    cfg = TransformerConfig(
+        architecture="qwen3",
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    with torch.device(DEVICE):
+        mlp, lm = MLP(24, 40), DecoderLM(cfg)
+    mlp.fuse_projections()
+    for rows, expect_calls in [(3, 3), (16, 3), (17, 0)]:
+        calls.clear()
+        x = randn(rng, rows, 24)
+        with torch.no_grad():
+            got_mlp, got_logits = mlp(x), lm.compute_logits(x)
+            expected_mlp = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+            expected_logits = lm.lm_head(x)
+        assert len(calls) == expect_calls
+        torch.testing.assert_close(got_mlp, expected_mlp, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)
+    calls.clear()
+    x = randn(rng, 3, 24)
+    lm.compute_logits(x).sum().backward()  # autograd: F.linear
+    assert calls == [] and lm.lm_head.weight.grad is not None
