@@ -46,6 +46,17 @@ QWEN3_8B = {
 }
 
 
+def load_skinny_configs(path: str) -> None:
+    """Replaces the skinny GEMM's default launch table with the measured best configs."""
+    from blockdraft.kernels import triton_linear
+
+    report = json.loads(Path(path).read_text())
+    for row in report["results"]:
+        if row["best"] and row["best"]["us"] < row["cublas_us"]:
+            key = (triton_linear.m_bucket(row["m"]), row["n"], row["k"])
+            triton_linear.DEFAULT_CONFIGS[key] = triton_linear.SkinnyConfig(**row["best"]["config"])
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -219,12 +230,19 @@ def main() -> None:
         default=None,
         help="linears of at most this many rows run the Triton skinny GEMM (0: cuBLAS only)",
     )
+    p.add_argument(
+        "--skinny-configs",
+        default=None,
+        help="JSON written by benchmarks/gemv_bench.py: its best configs replace the defaults",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.skinny_rows is not None:
         from blockdraft.models import decoder
 
         decoder.SKINNY_MAX_ROWS = args.skinny_rows
+    if args.skinny_configs:
+        load_skinny_configs(args.skinny_configs)
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     if args.skinny_rows is not None:
         results["skinny_max_rows"] = args.skinny_rows
