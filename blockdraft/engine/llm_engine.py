@@ -178,9 +178,18 @@ class LLMEngine:
                 continue
             self.runner.graphs[n + 1] = capture(self.model, n + 1, sizes)
             self.drafter_graphs[n + 1] = capture(self.proposer.drafter, n + 1, sizes)
+            self._compile_draft_inputs(n)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
+
+    def _compile_draft_inputs(self, num_drafts: int) -> None:
+        """Runs the drafter-input kernel once for N = num_drafts on a dummy request, so that
+        its Triton compile happens here and not in the first step that drafts N tokens.
+        Writes only fresh output buffers."""
+        zero, one = (torch.full((1,), v, dtype=torch.int64, device=self.device) for v in (0, 1))
+        tables = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        self.proposer.prepare_inputs(zero, one, zero, one, zero, tables, num_drafts, 1)
 
     def _max_blocks_per_seq(self, lookahead: int) -> int:
         # A verify at the length limit holds N draft rows past the last token, and the drafter

@@ -102,6 +102,9 @@ def _prepare_dflash_inputs_kernel(
     tl.store(context_slot_mapping_ptr + rows, ctx_slot, mask=rows_in)
 
 
+SEARCH_STEPS = 16  # binary-search depth: up to 65,535 requests in a step
+
+
 def prepare_dflash_inputs(
     anchor_tokens: torch.Tensor,  # [C] int64, new token of each request (read for proposers)
     anchor_positions: torch.Tensor,  # [C] int64, position right after its committed rows
@@ -118,6 +121,8 @@ def prepare_dflash_inputs(
 ) -> DFlashInputs:
     """Triton twin of `prepare_dflash_inputs_torch` (the specification); one launch."""
     num_reqs, num_props = anchor_tokens.shape[0], proposers.shape[0]
+    if num_reqs >= 2**SEARCH_STEPS:
+        raise ValueError(f"{num_reqs} requests in one step: at most {2**SEARCH_STEPS - 1}")
     if num_props > num_reqs_padded:
         raise ValueError(f"{num_props} requests do not fit in {num_reqs_padded} padded ones")
     if out is None:
@@ -151,9 +156,10 @@ def prepare_dflash_inputs(
         BLOCK_R=block_r,
         BLOCK_Q=triton.next_power_of_2(num_spec + 1),
         BLOCK_CTX=block_ctx,
-        # 2**steps - 1 >= C; by bit length, so the kernel compiles once per power of two of
-        # the step's request count rather than once per count.
-        SEARCH_STEPS=max(1, num_reqs.bit_length()),
+        # 2**steps - 1 >= C. Fixed, so the kernel compiles once per N (at start-up, see
+        # LLMEngine.capture_graphs), never in the middle of serving when a batch first grows
+        # past a power of two; the extra halving steps cost nothing next to the launch.
+        SEARCH_STEPS=SEARCH_STEPS,
         num_warps=4,
     )
     return out

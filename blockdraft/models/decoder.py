@@ -24,9 +24,10 @@ from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.models.model_config import TransformerConfig
 
 # At most this many rows (decode: the batch; verify: batch * (1 + N)), a linear on the GPU runs
-# the skinny GEMM, which only streams the weight; more rows are cuBLAS's. 0 (off) until its
-# configs are measured against cuBLAS on the H200 (benchmarks/gemv_bench.py).
-SKINNY_MAX_ROWS = 0
+# the skinny GEMM, which only streams the weight; more rows are cuBLAS's. Measured on the H200
+# (benchmarks/gemv_bench.py, BENCHMARKS.md): faster than cuBLAS at 1-2 rows on every Qwen3-8B
+# projection, not reliably at 4-16.
+SKINNY_MAX_ROWS = 2
 # Compiled Triton only: in the interpreter the kernel would crawl through every projection.
 SKINNY_DEVICE_TYPE = "cuda"
 

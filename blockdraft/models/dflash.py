@@ -170,7 +170,9 @@ class DFlashDrafter(nn.Module):
         return final_norm(self.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
-        logits = self.lm_head(hidden).float() * self.cfg.output_multiplier
+        logits = self.lm_head(hidden).float()
+        if self.cfg.output_multiplier != 1.0:  # a pass over [R, V] floats: skip when it is 1
+            logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
