@@ -81,11 +81,17 @@ class BlockLayout:
         return self.num_queries // self.block_size
 
     def to(self, device: torch.device) -> BlockLayout:
-        moved = {
-            name: value.to(device) if isinstance(value, torch.Tensor) else value
-            for name, value in self.__dict__.items()
-        }
-        return BlockLayout(**moved)
+        return BlockLayout(**{name: to_device(v, device) for name, v in self.__dict__.items()})
+
+
+def to_device(value: object, device: torch.device) -> object:
+    if not isinstance(value, torch.Tensor):
+        return value
+    if device.type == "cuda" and value.device.type == "cpu":
+        # From pinned memory and without blocking: a copy from pageable memory makes the host
+        # wait until the GPU has finished all queued work, so it could never run ahead.
+        return value.pin_memory().to(device, non_blocking=True)
+    return value.to(device)
 
 
 def pack_blocks(

@@ -41,6 +41,7 @@ from blockdraft.train.blocks import (
     build_flex_block_mask,
     pack_blocks,
     sample_anchors,
+    to_device,
 )
 from blockdraft.train.data import (
     Sample,
@@ -420,16 +421,17 @@ class Trainer:
         per block offset. `attention` overrides the configured kernel (tests compare them)."""
         cfg, b = self.cfg, self.cfg.block_size
         samples, anchors = self.schedule.micro_batch(m)
-        layout = pack_blocks(
-            [s.input_ids for s in samples], anchors, b, self.dcfg.mask_token_id
-        ).to(self.device)
+        ids = [s.input_ids for s in samples]
+        layout_cpu = pack_blocks(ids, anchors, b, self.dcfg.mask_token_id)
+        # The labelled rows, found on the host: `nonzero` on the device would wait for the GPU.
+        rows = to_device((layout_cpu.labels != IGNORE_INDEX).nonzero().squeeze(1), self.device)
+        layout = layout_cpu.to(self.device)
         features = self.features(layout.input_ids, layout.seq_lens)
         attend = self._attend(layout, attention or cfg.attention)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.on_gpu):
             hidden = drafter_train_forward(
                 self.drafter, features, layout.ctx_pos, layout.block_ids, layout.q_pos, attend
             )
-            rows = (layout.labels != IGNORE_INDEX).nonzero().squeeze(1)
             offsets = layout.offsets[rows]
             weights = self.offset_weights[offsets]
             loss_sum, correct = block_loss(
