@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -79,7 +80,10 @@ def weight_bytes(cfg: dict) -> int:
     return 2 * (layers * per_layer + cfg["vocab_size"] * h)
 
 
-def decode_tok_s(llm: LLM, prompt: list[int], batch: int, new_tokens: int) -> float:
+def decode_tok_s(
+    llm: LLM, prompt: list[int], batch: int, new_tokens: int, reps: int = 3
+) -> float:
+    """Median tok/s of `reps` timed generations of `batch` copies of `prompt`."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     # Twice: the second call takes the cached-prefix prefill path, which the timed call takes
     # too; Triton compiles each kernel variant on first use, and that must not be timed.
@@ -89,9 +93,12 @@ def decode_tok_s(llm: LLM, prompt: list[int], batch: int, new_tokens: int) -> fl
             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
             use_tqdm=False,
         )
-    t0 = now()
-    outs = llm.generate([prompt] * batch, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0)
+    rates = []
+    for _ in range(reps):  # one 64-token pass is short: single runs spread by up to ~20%
+        t0 = now()
+        outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0))
+    return statistics.median(rates)
 
 
 def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
