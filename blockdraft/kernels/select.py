@@ -1,8 +1,9 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding, the MLP's SiLU-and-multiply, the few-row linears and the DFlash
-drafter's input preparation (unset or "auto": Triton on CUDA when it imports, torch otherwise).
+q/k norm + rotary embedding, the MLP's SiLU-and-multiply, the few-row linears, the DFlash
+drafter's input preparation and its training loss (LM head + cross-entropy) (unset or "auto":
+Triton on CUDA when it imports, torch otherwise).
 Triton on a CPU tensor only runs under its interpreter, which reads TRITON_INTERPRET=1 when
 triton is first imported: so this module imports the Triton kernels lazily, on the first call
 that wants them.
@@ -25,6 +26,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from blockdraft.kernels.cross_entropy import linear_cross_entropy_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
@@ -38,6 +40,7 @@ RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DFlashInputsFn = Callable[..., object]
 LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearCrossEntropyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -61,7 +64,7 @@ class PerDevice(Generic[Fn]):
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must stay on the torch twin because it is being differentiated (training):
-    the Triton kernels have no backward."""
+    the Triton kernels have no backward (except the training loss's, made for it)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
@@ -159,3 +162,15 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
 
         return triton_linear.skinny_linear
     return skinny_linear_torch
+
+
+def get_linear_cross_entropy_backend(
+    device: torch.device | str | None = None,
+) -> LinearCrossEntropyFn:
+    """`fn(hidden, weight, labels, weights, chunk_rows) -> (sum of weighted CE, correct)`, the
+    drafter's training loss through a frozen LM head (differentiable in hidden), same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_cross_entropy
+
+        return triton_cross_entropy.triton_linear_cross_entropy
+    return linear_cross_entropy_torch

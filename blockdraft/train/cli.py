@@ -48,6 +48,12 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--device", default="auto")
     g.add_argument("--attention", default="auto", choices=["auto", "dense", "flex"])
     g.add_argument("--no-compile", action="store_true", help="eager FlexAttention")
+    g.add_argument(
+        "--fused-loss",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="LM head + cross-entropy in a fused Triton kernel (default: on CUDA)",
+    )
     g.add_argument("--save-every", type=int, default=0)
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     g.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable)")
@@ -98,6 +104,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         device=args.device,
         attention=args.attention,
         compile=False if args.no_compile else None,
+        fused_loss=args.fused_loss,
         save_every=args.save_every,
         resume=args.resume,
         stop_after=args.stop_after,

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from safetensors.torch import save_file
 
+from blockdraft.kernels import select
+from blockdraft.kernels.cross_entropy import chunked_cross_entropy
 from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
 from blockdraft.models.decoder import DecoderLM
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
@@ -326,31 +327,47 @@ def flex_attend(
     return attend
 
 
+def plain_linear_logits(drafter: DFlashDrafter) -> bool:
+    """Whether the drafter's logits are `hidden @ lm_head.weight.T` and nothing more (no
+    output multiplier, softcap or bias): what the fused loss computes."""
+    cfg = drafter.cfg
+    return (
+        cfg.output_multiplier == 1.0
+        and not cfg.final_logit_softcapping
+        and getattr(drafter.lm_head, "bias", None) is None
+    )
+
+
+def use_fused_loss(drafter: DFlashDrafter, device: torch.device, fused: bool | None) -> bool:
+    """`fused` None: the fused Triton loss where the kernels' switch picks Triton (CUDA);
+    True forces it (on the CPU only under TRITON_INTERPRET=1). Either way only for a plain
+    linear LM head; otherwise the float32 path, which applies multiplier and softcap."""
+    if not plain_linear_logits(drafter):
+        return False
+    if fused is None:
+        return select.use_triton(device)
+    if fused and device.type != "cuda" and not select._interpreting():
+        raise ValueError("the fused loss runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
+    return fused
+
+
 def block_loss(
     drafter: DFlashDrafter,
     hidden: torch.Tensor,  # [R, hidden], rows with a label
     labels: torch.Tensor,  # [R] int64
     weights: torch.Tensor,  # [R] float32
     chunk_rows: int = 8192,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (sum of weighted CE, [R] bool correct)
-    """Weighted cross-entropy through the target's LM head, `chunk_rows` rows at a time. Each
-    chunk's logits are recomputed in backward instead of kept: at GPU batch sizes they would be
-    rows x vocab floats (tens of GB)."""
+    """Weighted cross-entropy through the target's LM head, `chunk_rows` rows at a time, and
+    whether each row's argmax is its label. Fused (`use_fused_loss`): one Triton kernel per
+    chunk over logits in the compute dtype that also writes their gradient
+    (`blockdraft.kernels.triton_cross_entropy`). Else float32 logits from `compute_logits`,
+    recomputed in backward (`chunked_cross_entropy`)."""
+    if use_fused_loss(drafter, hidden.device, fused):
+        from blockdraft.kernels import triton_cross_entropy
 
-    def chunk(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        logits = drafter.compute_logits(h)  # [r, V] float32
-        ce = F.cross_entropy(logits, y, reduction="none")
-        return (ce * w).sum(), logits.argmax(-1) == y
-
-    if hidden.shape[0] <= chunk_rows:
-        return chunk(hidden, labels, weights)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    correct = []
-    for s in range(0, hidden.shape[0], chunk_rows):
-        part = slice(s, s + chunk_rows)
-        loss, ok = torch.utils.checkpoint.checkpoint(
-            chunk, hidden[part], labels[part], weights[part], use_reentrant=False
+        return triton_cross_entropy.triton_linear_cross_entropy(
+            hidden, drafter.lm_head.weight, labels, weights, chunk_rows
         )
-        total = total + loss
-        correct.append(ok)
-    return total, torch.cat(correct)
+    return chunked_cross_entropy(drafter.compute_logits, hidden, labels, weights, chunk_rows)

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockdraft.kernels import select
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -109,6 +110,9 @@ class TrainConfig:
     attention: str = "auto"  # "dense" | "flex" | "auto" (flex on GPU, dense on CPU)
     compile: bool | None = None  # compile FlexAttention (None: on GPU)
     loss_chunk_rows: int = 8192
+    # LM head + cross-entropy fused in a Triton kernel over bf16 logits (no float32 copy, no
+    # recompute); None: on CUDA. Only for a plain linear head (else the float32 path).
+    fused_loss: bool | None = None
     save_every: int = 0  # steps between checkpoints (0: only at the end)
     keep_checkpoints: int = 2
     resume: bool = False
@@ -144,6 +148,8 @@ class TrainConfig:
             raise ValueError("block_size must be at least 2")
         if self.steps is not None and self.steps < 1:
             raise ValueError("steps must be positive")
+        if self.fused_loss and not self.device.startswith("cuda") and not select._interpreting():
+            raise ValueError("fused_loss=True needs a CUDA device (or TRITON_INTERPRET=1)")
         if self.loss_gamma is None:
             self.loss_gamma = DEFAULT_GAMMA.get(self.block_size, 7.0 * self.block_size / 16)
 
@@ -435,7 +441,12 @@ class Trainer:
             offsets = layout.offsets[rows]
             weights = self.offset_weights[offsets]
             loss_sum, correct = block_loss(
-                self.drafter, hidden[rows], layout.labels[rows], weights, cfg.loss_chunk_rows
+                self.drafter,
+                hidden[rows],
+                layout.labels[rows],
+                weights,
+                cfg.loss_chunk_rows,
+                fused=cfg.fused_loss,
             )
             loss = loss_sum / weights.sum()
         hits = torch.zeros(b, device=self.device).index_add_(0, offsets, correct.float())
