@@ -244,15 +244,14 @@ def main() -> None:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    if args.skinny_rows is not None:
-        from blockdraft.models import decoder
+    from blockdraft.models import decoder
 
+    if args.skinny_rows is not None:
         decoder.SKINNY_MAX_ROWS = args.skinny_rows
     if args.skinny_configs:
         load_skinny_configs(args.skinny_configs)
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
-    if args.skinny_rows is not None:
-        results["skinny_max_rows"] = args.skinny_rows
+    results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()
