@@ -23,6 +23,7 @@ from blockdraft.kernels.forward_context import build_attention_metadata, forward
 from blockdraft.models.decoder import DecoderLM
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from blockdraft.models.loader import (
+    init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
     read_checkpoint,
@@ -42,28 +43,36 @@ Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def load_target(
-    model: str | None, dtype: torch.dtype, device: torch.device, max_positions: int
+    model: str | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
 ) -> tuple[DecoderLM, Tokenizer | None, dict]:
-    """The frozen target (as the engine builds it), its tokenizer and its HF config dict."""
+    """The frozen target (as the engine builds it), its tokenizer and its HF config dict.
+    load_format="dummy": random weights from config.json alone (training benchmarks)."""
     if model is None:
         from blockdraft.models.gguf_loader import default_model_path
 
         model = default_model_path()
-    ckpt = read_checkpoint(model)
+    ckpt = read_checkpoint(model, load_format)
     cfg = TransformerConfig.from_hf(ckpt.hf_config)
     cfg = dataclasses.replace(
         cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_positions)
     )
     with torch.device(device):
         target = DecoderLM(cfg).to(dtype)
-    load_weights(
-        dict(target.named_parameters()),
-        iter_checkpoint_tensors(ckpt),
-        str(model),
-        ignore=lambda name: (
-            "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings)
-        ),
-    )
+    if load_format == "dummy":
+        init_dummy_weights(target)
+    else:
+        load_weights(
+            dict(target.named_parameters()),
+            iter_checkpoint_tensors(ckpt),
+            str(model),
+            ignore=lambda name: (
+                "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings)
+            ),
+        )
     target.eval().requires_grad_(False)
     return target, ckpt.tokenizer, ckpt.hf_config
 

@@ -78,6 +78,7 @@ class TrainConfig:
     out_dir: str
     data: str  # prompt file (regenerated first, into out_dir/data.jsonl) or a regenerated shard
     model: str | None = None  # target; None: the embedded SmolLM2-135M-Instruct
+    load_format: str = "auto"  # "dummy": random target weights from config.json (benchmarks)
     # drafter shape (a fresh drafter; or start from `init_drafter`, a z-lab checkpoint)
     num_layers: int = 1
     block_size: int = 16
@@ -135,6 +136,8 @@ class TrainConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention == "auto":
             self.attention = "flex" if self.device.startswith("cuda") else "dense"
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.attention not in ("dense", "flex"):
             raise ValueError(f"attention must be dense, flex or auto, got {self.attention!r}")
         if self.attention == "flex" and not self.device.startswith("cuda"):
@@ -269,7 +272,7 @@ class Trainer:
         self.max_positions = max_len + cfg.block_size
         target_dtype = torch.bfloat16 if cfg.on_gpu else torch.float32
         self.target, self.tokenizer, target_hf = load_target(
-            cfg.model, target_dtype, self.device, self.max_positions
+            cfg.model, target_dtype, self.device, self.max_positions, cfg.load_format
         )
         self.hf_config = self._drafter_config(target_hf)
         dcfg = DFlashConfig.from_hf(self.hf_config)
