@@ -242,6 +242,12 @@ def main() -> None:
         default=None,
         help="JSON written by benchmarks/gemv_bench.py: its best configs replace the defaults",
     )
+    p.add_argument(
+        "--fuse-silu-mul",
+        action="store_true",
+        help="skinny down projections form the MLP's silu(gate) * up in their loads "
+        "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from blockdraft.models import decoder
@@ -250,8 +256,11 @@ def main() -> None:
         decoder.SKINNY_MAX_ROWS = args.skinny_rows
     if args.skinny_configs:
         load_skinny_configs(args.skinny_configs)
+    if args.fuse_silu_mul:
+        decoder.FUSE_SILU_MUL_INTO_DOWN = True
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
+    results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()

@@ -242,3 +242,109 @@ def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
     x = randn(rng, 3, 24)
     lm.compute_logits(x).sum().backward()  # autograd: F.linear
     assert calls == [] and lm.lm_head.weight.grad is not None
+
+
+# --- SiLU-and-multiply fused into the down projection --------------------------------------------
+
+
+def gate_up_input(rng: torch.Generator, m: int, i: int, dtype: torch.dtype) -> torch.Tensor:
+    """[m, 2i] gate_up activations (gate then up), a column slice of a wider buffer (row
+    stride 2i + 24) like a GEMM output written into a larger one; spread to reach silu's tails."""
+    return (3 * randn(rng, m, 2 * i + 24))[:, 5 : 5 + 2 * i].to(dtype)
+
+
+FUSED_CONFIGS = [
+    None,  # the table's pick for the shape
+    SkinnyConfig(block_n=16, block_k=32, use_dot=False),
+    SkinnyConfig(block_n=8, block_k=64, split_k=3, use_dot=False),
+    SkinnyConfig(block_n=16, block_k=32, use_dot=True),
+    SkinnyConfig(block_n=32, block_k=16, split_k=4, use_dot=True),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    FUSED_CONFIGS,
+    ids=lambda c: "default" if c is None else f"dot{int(c.use_dot)}-split{c.split_k}",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_skinny_linear_silu_mul_input(rng, cfg: SkinnyConfig | None, dtype: torch.dtype) -> None:
+    """The fused prologue against the torch twin, and bit for bit against the unfused path
+    (the Triton activation kernel, then the same GEMM): K = I odd (37) and long (200, several
+    blocks, a partial one), N odd, into a poisoned output."""
+    from blockdraft.kernels.rope import silu_mul_torch
+    from blockdraft.kernels.triton_activation import triton_silu_mul
+
+    for m, i, n, bias in [(1, 37, 29, True), (2, 200, 45, False), (3, 200, 29, True)]:
+        gate_up = gate_up_input(rng, m, i, dtype)
+        w = (randn(rng, n, i) / math.sqrt(i)).to(dtype)
+        b = randn(rng, n, dtype=dtype) if bias else None
+        buffer, out = poisoned_out(m, n, dtype)
+        got = skinny_linear(gate_up, w, b, cfg, out=out, silu_mul_input=True)
+        assert got.data_ptr() == out.data_ptr()
+        assert buffer[:, :3].isnan().all() and buffer[:, 3 + n :].isnan().all()
+        gate, up = gate_up.chunk(2, dim=-1)
+        twin = skinny_linear_torch(gate_up, w, b, silu_mul_input=True)
+        assert torch.equal(twin, F.linear(silu_mul_torch(gate, up), w, b))
+        check(got, silu_mul_torch(gate, up), w, b)  # the twin's operand, fp32 reference
+        unfused = skinny_linear(triton_silu_mul(gate, up), w, b, cfg)
+        assert torch.equal(got, unfused), (got - unfused).abs().max()
+        # Eager F.silu computes exp and the division its own way: its fp32 activations differ
+        # from the kernel's by up to ~3 eps (relative), which moves the sum by about 1-2 ulps
+        # of the output's scale (measured); in fp16 both round to the same value almost always.
+        eager = skinny_linear(silu_mul_torch(gate, up), w, b, cfg)
+        ulps = 4 * torch.finfo(dtype).eps * eager.float().abs().max().item()
+        assert (got.float() - eager.float()).abs().max().item() <= ulps
+
+
+def test_skinny_linear_silu_mul_input_errors(rng) -> None:
+    w = randn(rng, 8, 5)
+    with pytest.raises(ValueError):  # odd gate_up width
+        skinny_linear(randn(rng, 1, 11), w, silu_mul_input=True)
+    with pytest.raises(ValueError):  # K = I = 6 against a weight of 5 columns
+        skinny_linear(randn(rng, 1, 12), w, silu_mul_input=True)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
+    """With FUSE_SILU_MUL_INTO_DOWN, an MLP with fused projections runs its down projection
+    on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
+    SKINNY_MAX_ROWS rows, bit for bit the unfused output; past that, or with the flag off,
+    nothing changes."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 2)
+    calls = []
+
+    def counting(device: torch.device):
+        def run(x, weight, bias, **kwargs):
+            calls.append("fused down" if kwargs.get("silu_mul_input") else "linear")
+            return skinny_linear(x, weight, bias, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    with torch.device(DEVICE):
+        mlp = MLP(24, 40)
+    mlp.fuse_projections()
+    silu_mul = mlp._silu_mul
+
+    def counting_silu_mul(device: torch.device):
+        calls.append("activation")
+        return silu_mul(device)
+
+    mlp._silu_mul = counting_silu_mul
+    for rows in [1, 2, 3]:
+        x = randn(rng, rows, 24)
+        with torch.no_grad():
+            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", False)
+            expected = mlp(x)  # gate_up, the activation kernel, down
+            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", fuse)
+            calls.clear()
+            got = mlp(x)
+        if rows > 2:  # F.linear for both projections, the activation between
+            assert calls == ["activation"]
+        else:
+            unfused = ["linear", "activation", "linear"]
+            assert calls == (["linear", "fused down"] if fuse else unfused)
+        assert torch.equal(got, expected)

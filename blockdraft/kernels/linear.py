@@ -10,11 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from blockdraft.kernels.rope import silu_mul_torch
+
 
 def skinny_linear_torch(
-    x: torch.Tensor,  # [..., K]
+    x: torch.Tensor,  # [..., K]; with silu_mul_input [..., 2K], gate then up
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    silu_mul_input: bool = False,
 ) -> torch.Tensor:  # [..., N]
-    """`x @ weight.T + bias`, exactly `F.linear`."""
+    """`x @ weight.T + bias`, exactly `F.linear`; with silu_mul_input, of the gated MLP's
+    activation `silu(gate) * up` of x's halves (the skinny GEMM fuses it into its loads)."""
+    if silu_mul_input:
+        x = silu_mul_torch(*x.chunk(2, dim=-1))
     return F.linear(x, weight, bias)

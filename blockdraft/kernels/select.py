@@ -39,7 +39,7 @@ RMSNormFn = Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
 RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DFlashInputsFn = Callable[..., object]
-LinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+LinearFn = Callable[..., torch.Tensor]
 LinearCrossEntropyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
@@ -155,8 +155,10 @@ def get_dflash_inputs_backend(device: torch.device | str | None = None) -> DFlas
 
 
 def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
-    """`fn(x, weight, bias) -> x @ weight.T + bias`, the skinny GEMM for few rows, same switch.
-    Callers keep it to the rows it is made for (`blockdraft.models.decoder.linear`)."""
+    """`fn(x, weight, bias, *, silu_mul_input=False) -> x @ weight.T + bias`, the skinny GEMM
+    for few rows, same switch (silu_mul_input: x is a fused gate_up output and the product is
+    of `silu(gate) * up`). Callers keep it to the rows it is made for
+    (`blockdraft.models.decoder.linear`)."""
     if use_triton(device):
         from blockdraft.kernels import triton_linear
 

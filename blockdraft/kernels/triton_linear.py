@@ -20,6 +20,11 @@ of masked, so that the loads stay unpredicated; the store drops them. Two inner 
   cross-lane shuffles inside it): for M of 1 or 2, where a 16-row mma would waste most of its
   work and the accumulators still fit in registers.
 
+SILU_MUL fuses the gated MLP's activation into the down projection as a prologue: x is the
+fused gate_up output [M, 2K] and each x chunk is formed as silu(gate) * up from its two halves,
+rounded as `triton_silu_mul` rounds, so the GEMM sees the very operand the unfused pair would
+write to memory (one launch and one round trip of the activations less).
+
 SPLIT_K > 1 cuts K into SPLIT_K ranges whose fp32 partial sums go to a [SPLIT_K, M, N]
 workspace, summed in a fixed order (with the bias) by a second kernel: deterministic, unlike
 atomics. It pays only when N / BLOCK_N leaves SMs idle.
@@ -45,6 +50,31 @@ __all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_to
 
 
 @triton.jit
+def _load_x(
+    ptrs,  # [..., BLOCK_K] pointers into x; with SILU_MUL into its gate half
+    up_offset,  # K: with SILU_MUL, how far the up half sits from the gate half
+    k_ok,  # [..., BLOCK_K] bool; ignored when EVEN_K
+    EVEN_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+):  # [..., BLOCK_K] x's dtype
+    if EVEN_K:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=k_ok, other=0.0)
+    if SILU_MUL:  # masked lanes: silu(0) * 0 = 0
+        if EVEN_K:
+            up = tl.load(ptrs + up_offset)
+        else:
+            up = tl.load(ptrs + up_offset, mask=k_ok, other=0.0)
+        # As triton_silu_mul (and F.silu(gate) * up): silu in fp32 rounded to x's dtype, then
+        # the product rounded once; the GEMM must see the same operand as the unfused path.
+        g = x.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ptrs.dtype.element_ty).to(tl.float32)
+        x = (s * up.to(tl.float32)).to(ptrs.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _row_term(
     acc,  # [BLOCK_N, BLOCK_K] fp32, this row's running products
     w,  # [BLOCK_N, BLOCK_K] fp32, the weight chunk
@@ -53,12 +83,11 @@ def _row_term(
     stride_xm,
     k_offs,  # [BLOCK_K] positions along K
     k_ok,  # [BLOCK_K] bool; ignored when EVEN_K
+    K,
     EVEN_K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
 ):
-    if EVEN_K:
-        x = tl.load(x_ptr + row * stride_xm + k_offs)
-    else:
-        x = tl.load(x_ptr + row * stride_xm + k_offs, mask=k_ok, other=0.0)
+    x = _load_x(x_ptr + row * stride_xm + k_offs, K, k_ok, EVEN_K, SILU_MUL)
     return acc + w * x.to(tl.float32)[None, :]
 
 
@@ -91,7 +120,7 @@ def _store_rows(
 # config serves every row count, and the clamps and store masks on M cost nothing here.
 @triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
-    x_ptr,  # [M, K], unit column stride
+    x_ptr,  # [M, K], unit column stride; with SILU_MUL [M, 2K], gate then up
     w_ptr,  # [N, K], unit column stride
     bias_ptr,  # [N]; read when HAS_BIAS (and SPLIT_K == 1)
     out_ptr,  # [M, N] x's dtype; with SPLIT_K > 1 the fp32 workspace [SPLIT_K, M, N]
@@ -110,6 +139,7 @@ def _skinny_matmul_kernel(
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no masks along K
     HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # the GEMM's x is silu(x[:, :K]) * x[:, K:]
     NUM_STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -130,13 +160,12 @@ def _skinny_matmul_kernel(
         x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
+            k_ok = (offs_k < k_len - k)[None, :]
             if EVEN_K:
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
-                x = tl.load(x_ptrs)
             else:
-                k_ok = (offs_k < k_len - k)[None, :]
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
-                x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            x = _load_x(x_ptrs, K, k_ok, EVEN_K, SILU_MUL)
             # fp32 stays fp32 ("ieee"), as F.linear without TF32; ignored for 16-bit inputs.
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             w_ptrs += BLOCK_K
@@ -164,12 +193,18 @@ def _skinny_matmul_kernel(
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            acc0 = _row_term(acc0, w, x_ptr, row0, stride_xm, x_offs + k, k_ok, EVEN_K)
+            acc0 = _row_term(acc0, w, x_ptr, row0, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL)
             if BLOCK_M > 1:
-                acc1 = _row_term(acc1, w, x_ptr, row1, stride_xm, x_offs + k, k_ok, EVEN_K)
+                acc1 = _row_term(
+                    acc1, w, x_ptr, row1, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
+                )
             if BLOCK_M > 2:
-                acc2 = _row_term(acc2, w, x_ptr, row2, stride_xm, x_offs + k, k_ok, EVEN_K)
-                acc3 = _row_term(acc3, w, x_ptr, row3, stride_xm, x_offs + k, k_ok, EVEN_K)
+                acc2 = _row_term(
+                    acc2, w, x_ptr, row2, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
+                )
+                acc3 = _row_term(
+                    acc3, w, x_ptr, row3, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
+                )
             w_ptrs += BLOCK_K
         one = tl.arange(0, 1)
         _store_rows(
@@ -295,30 +330,36 @@ def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [..., K], unit column stride (rows may be strided)
+    x: torch.Tensor,  # [..., K] ([..., 2K] with silu_mul_input), unit column stride
     weight: torch.Tensor,  # [N, K], unit column stride (rows may be strided)
     bias: torch.Tensor | None = None,  # [N]
     config: SkinnyConfig | None = None,
     *,
     out: torch.Tensor | None = None,  # [..., N] preallocated output, unit column stride
+    silu_mul_input: bool = False,  # x is a fused gate_up output: multiply silu(gate) * up
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`F.linear(x, weight, bias)` for few rows of x; fp32 accumulation. Any row count works
     (the grid tiles M by 16) but past 16 rows cuBLAS's GEMMs are the better choice. A weight
-    without unit column stride is left to F.linear rather than copied."""
-    k = x.shape[-1]
+    without unit column stride is left to F.linear rather than copied. With silu_mul_input,
+    `F.linear(silu_mul_torch(*x.chunk(2, -1)), weight, bias)`, the activation formed in the
+    kernel's loads (K, the GEMM's depth and the config's key, is half of x's width)."""
+    width = x.shape[-1]
+    k = width // 2 if silu_mul_input else width
     n = weight.shape[0]
+    if silu_mul_input and width % 2:
+        raise ValueError(f"a gate_up input needs an even last dim, not {width}")
     if weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {k}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError("x, weight and bias must share one dtype")
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    rows = x.reshape(-1, k)
+    rows = x.reshape(-1, width)
     m = rows.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0 or weight.stride(1) != 1:
-        out.copy_(skinny_linear_torch(x, weight, bias))
+        out.copy_(skinny_linear_torch(x, weight, bias, silu_mul_input=silu_mul_input))
         return out
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -351,6 +392,7 @@ def skinny_linear(
         USE_DOT=cfg.use_dot,
         EVEN_K=k % (cfg.block_k * split_k) == 0,
         HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul_input,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -30,6 +30,22 @@ from blockdraft.models.model_config import TransformerConfig
 SKINNY_MAX_ROWS = 2
 # Compiled Triton only: in the interpreter the kernel would crawl through every projection.
 SKINNY_DEVICE_TYPE = "cuda"
+# Where the down projection runs the skinny GEMM, form the MLP's silu(gate) * up in its loads
+# from the fused gate_up output, saving the activation kernel's launch (one per layer). Off
+# until measured on a GPU (benchmarks/gpu_bench.py --fuse-silu-mul).
+FUSE_SILU_MUL_INTO_DOWN = False
+
+
+def skinny(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    *params: torch.Tensor | None,
+) -> bool:
+    """Whether a linear of x runs the skinny GEMM: few rows, on the GPU, outside autograd."""
+    return (
+        x.device.type == SKINNY_DEVICE_TYPE
+        and x.shape[:-1].numel() <= SKINNY_MAX_ROWS
+        and not needs_autograd(x, *params)
+    )
 
 
 def linear(
@@ -39,11 +55,7 @@ def linear(
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """`F.linear`, through `get_linear_backend` (the Triton skinny GEMM) for a few rows on the
     GPU outside autograd; CPU and training run F.linear itself."""
-    if (
-        x.device.type == SKINNY_DEVICE_TYPE
-        and x.shape[:-1].numel() <= SKINNY_MAX_ROWS
-        and not needs_autograd(x, weight, bias)
-    ):
+    if skinny(x, weight, bias):
         return get_linear_backend(x.device)(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -137,15 +149,21 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        down = self.down_proj
         if self._gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:  # row-strided halves of one output; the activation kernel reads them in place
-            gate, up = linear(x, *self._gate_up).chunk(2, dim=-1)
+            gate_up = linear(x, *self._gate_up)  # [num_tokens, 2 * intermediate]
+            if FUSE_SILU_MUL_INTO_DOWN and skinny(gate_up, down.weight, down.bias):
+                return get_linear_backend(x.device)(
+                    gate_up, down.weight, down.bias, silu_mul_input=True
+                )
+            gate, up = gate_up.chunk(2, dim=-1)
         if needs_autograd(gate, up):
             act = silu_mul_torch(gate, up)
         else:
             act = self._silu_mul(gate.device)(gate, up)
-        return linear(act, self.down_proj.weight, self.down_proj.bias)
+        return linear(act, down.weight, down.bias)
 
 
 class DecoderLayer(nn.Module):
