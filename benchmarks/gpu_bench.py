@@ -248,6 +248,12 @@ def main() -> None:
         help="skinny down projections form the MLP's silu(gate) * up in their loads "
         "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
     )
+    p.add_argument(
+        "--fuse-norm",
+        action="store_true",
+        help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
+        "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from blockdraft.models import decoder
@@ -258,9 +264,12 @@ def main() -> None:
         load_skinny_configs(args.skinny_configs)
     if args.fuse_silu_mul:
         decoder.FUSE_SILU_MUL_INTO_DOWN = True
+    if args.fuse_norm:
+        decoder.FUSE_NORM_INTO_SKINNY = True
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
+    results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()

@@ -17,6 +17,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -348,3 +349,151 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
             unfused = ["linear", "activation", "linear"]
             assert calls == (["linear", "fused down"] if fuse else unfused)
         assert torch.equal(got, expected)
+
+
+# --- residual add + RMSNorm fused into the skinny GEMM ------------------------------------------
+
+
+NORM_CASES = [  # (m, k, n, residual, bias): K odd (37) or long (200: blocks and a partial one)
+    (1, 37, 29, True, True),
+    (1, 200, 45, False, False),
+    (2, 37, 45, False, True),
+    (2, 200, 29, True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    FUSED_CONFIGS,
+    ids=lambda c: "default" if c is None else f"dot{int(c.use_dot)}-split{c.split_k}",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_skinny_linear_rms_norm(rng, cfg: SkinnyConfig | None, dtype: torch.dtype) -> None:
+    """The fused norm prologue bit for bit against the unfused Triton pair (`triton_rms_norm`,
+    then the same GEMM), its residual stream against the eager add, both into poisoned
+    outputs (row-strided x and residual), and the torch twin against rms_norm_torch + F.linear."""
+    from blockdraft.kernels.rmsnorm import rms_norm_torch
+    from blockdraft.kernels.triton_rmsnorm import triton_rms_norm
+
+    for m, k, n, with_residual, bias in NORM_CASES:
+        x = (3 * randn(rng, m, k + 24))[:, 5 : 5 + k].to(dtype)
+        residual = randn(rng, m, k + 24)[:, 7 : 7 + k].to(dtype) if with_residual else None
+        norm_w = (1 + 0.1 * randn(rng, k)).to(dtype)
+        w = (randn(rng, n, k) / math.sqrt(k)).to(dtype)
+        b = randn(rng, n, dtype=dtype) if bias else None
+        buffer, out = poisoned_out(m, n, dtype)
+        res_buffer, res_out = poisoned_out(m, k, dtype) if with_residual else (None, None)
+        got = skinny_linear(
+            x, w, b, cfg, out=out, rms_norm=(norm_w, 1e-6), residual=residual, residual_out=res_out
+        )
+        assert got.data_ptr() == out.data_ptr()
+        assert buffer[:, :3].isnan().all() and buffer[:, 3 + n :].isnan().all()
+        if with_residual:
+            normed, stream = triton_rms_norm(x, norm_w, 1e-6, residual)
+            assert torch.equal(res_out, x + residual) and torch.equal(res_out, stream)
+            assert res_buffer[:, :3].isnan().all() and res_buffer[:, 3 + k :].isnan().all()
+        else:
+            normed = triton_rms_norm(x, norm_w, 1e-6)
+        unfused = skinny_linear(normed, w, b, cfg)
+        assert torch.equal(got, unfused), (got - unfused).abs().max()
+        # The twin (torch's norm: rsqrt and its own sum order, so not bit for bit the kernel's).
+        twin_stream = None if residual is None else torch.empty_like(x)
+        twin = skinny_linear_torch(
+            x, w, b, rms_norm=(norm_w, 1e-6), residual=residual, residual_out=twin_stream
+        )
+        if with_residual:
+            expected_normed, expected_stream = rms_norm_torch(x, norm_w, 1e-6, residual)
+            assert torch.equal(twin_stream, expected_stream)
+        else:
+            expected_normed = rms_norm_torch(x, norm_w, 1e-6)
+        assert torch.equal(twin, F.linear(expected_normed, w, b))
+        check(got, expected_normed, w, b)
+
+
+def test_skinny_linear_rms_norm_errors(rng) -> None:
+    x, w, norm = randn(rng, 2, 6), randn(rng, 8, 6), (randn(rng, 6), 1e-6)
+    res, res_out = randn(rng, 2, 6), randn(rng, 2, 6)
+    with pytest.raises(ValueError):  # not with the silu_mul prologue
+        skinny_linear(randn(rng, 2, 12), w, silu_mul_input=True, rms_norm=norm)
+    with pytest.raises(ValueError):  # a residual without rms_norm
+        skinny_linear(x, w, residual=res, residual_out=res_out)
+    with pytest.raises(ValueError):  # a residual with nowhere to write the stream
+        skinny_linear(x, w, rms_norm=norm, residual=res)
+    with pytest.raises(ValueError):  # the stream written over an input other programs read
+        skinny_linear(x, w, rms_norm=norm, residual=res, residual_out=res)
+    with pytest.raises(ValueError):  # a norm weight of the wrong width
+        skinny_linear(x, w, rms_norm=(randn(rng, 5), 1e-6))
+    with pytest.raises(ValueError):  # ... or dtype
+        skinny_linear(x, w, rms_norm=(randn(rng, 6, dtype=torch.float16), 1e-6))
+
+
+class StubAttention(nn.Module):
+    """A cheap deterministic stand-in for PagedAttention (no KV cache or metadata needed)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return 0.5 * q + v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) - k.mean(1, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: torch.dtype) -> None:
+    """With FUSE_NORM_INTO_SKINNY, a Qwen3-style model (q/k norms) with fused projections runs
+    each layer's two add + norms in the q/k/v and gate/up GEMMs for up to SKINNY_MAX_ROWS rows,
+    bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
+    sum the residual stream); past that, or with the flag off, nothing changes."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 2)
+    calls = []
+
+    def counting(device: torch.device):
+        def run(x, weight, bias, **kwargs):
+            calls.append("norm+linear" if "rms_norm" in kwargs else "linear")
+            return skinny_linear(x, weight, bias, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    cfg = TransformerConfig(
+        architecture="qwen3",
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    )
+    with torch.device(DEVICE):
+        lm = DecoderLM(cfg)
+    for name, p in lm.named_parameters():
+        p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
+    lm = lm.to(dtype).requires_grad_(False)
+    decoder.fuse_projections(lm)
+    for layer in lm.model.layers:
+        layer.self_attn.attn = StubAttention()
+    # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
+    # stream so that layer 2 starts afresh.
+    lm.capture_layer_ids = (1,)
+    for rows in [1, 2, 3]:
+        ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
+        positions = torch.arange(rows, device=DEVICE)
+        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", False)
+        expected = lm(ids, positions)
+        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", fuse)
+        calls.clear()
+        got = lm(ids, positions)
+        if rows > 2:
+            assert calls == []
+        elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
+            assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3
+        else:
+            assert calls == ["linear"] * 12
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -25,6 +25,12 @@ fused gate_up output [M, 2K] and each x chunk is formed as silu(gate) * up from 
 rounded as `triton_silu_mul` rounds, so the GEMM sees the very operand the unfused pair would
 write to memory (one launch and one round trip of the activations less).
 
+RMS_NORM fuses the pre-norm block's residual add + RMSNorm into the GEMM as a prologue: x is
+the un-normed input (with an optional residual), and a pre-pass over each row's whole K forms
+s = x + residual and rstd exactly as `triton_rms_norm` does (same full-row fp32 sum), then each
+x chunk is formed as round(round(s * rstd) * norm_weight), the norm kernel's output; program 0
+along N (split 0) writes s to the residual-out buffer.
+
 SPLIT_K > 1 cuts K into SPLIT_K ranges whose fp32 partial sums go to a [SPLIT_K, M, N]
 workspace, summed in a fixed order (with the bias) by a second kernel: deterministic, unlike
 atomics. It pays only when N / BLOCK_N leaves SMs idle.
@@ -50,17 +56,63 @@ __all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_to
 
 
 @triton.jit
+def _norm_row_rstd(
+    x_ptr,
+    res_ptr,
+    res_out_ptr,
+    row,  # int64, clamped to a valid row of x
+    stride_xm,
+    stride_rm,
+    stride_rom,
+    K,
+    eps,
+    write,  # scalar bool: this program stores the row's residual stream
+    HAS_RESIDUAL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,  # next_power_of_2(K): the whole row in one block
+):  # fp32 scalar, the row's 1 / rms
+    # The very loads, rounding and full-row sum of `_rms_norm_kernel`, so that rstd is its rstd.
+    offs = tl.arange(0, NORM_BLOCK)
+    ok = offs < K
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_rom + offs, x, mask=ok & write)
+    x32 = x.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / K + eps)
+
+
+@triton.jit
 def _load_x(
     ptrs,  # [..., BLOCK_K] pointers into x; with SILU_MUL into its gate half
     up_offset,  # K: with SILU_MUL, how far the up half sits from the gate half
     k_ok,  # [..., BLOCK_K] bool; ignored when EVEN_K
+    res_ptrs,  # [..., BLOCK_K] pointers into the residual; read with RMS_NORM and HAS_RESIDUAL
+    nw_ptrs,  # [..., BLOCK_K] (broadcastable) pointers into the norm weight; with RMS_NORM
+    rstd,  # fp32, broadcastable to [..., BLOCK_K]: the rows' 1 / rms; with RMS_NORM
     EVEN_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):  # [..., BLOCK_K] x's dtype
     if EVEN_K:
         x = tl.load(ptrs)
     else:
         x = tl.load(ptrs, mask=k_ok, other=0.0)
+    if RMS_NORM:  # masked lanes: x = 0 gives 0
+        if HAS_RESIDUAL:
+            if EVEN_K:
+                r = tl.load(res_ptrs)
+            else:
+                r = tl.load(res_ptrs, mask=k_ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(ptrs.dtype.element_ty)
+        if EVEN_K:
+            nw = tl.load(nw_ptrs)
+        else:
+            nw = tl.load(nw_ptrs, mask=k_ok, other=0.0)
+        # As _rms_norm_kernel: normalise in fp32, round, scale by the weight, round.
+        normed = (x.to(tl.float32) * rstd).to(ptrs.dtype.element_ty).to(tl.float32)
+        x = (normed * nw.to(tl.float32)).to(ptrs.dtype.element_ty)
     if SILU_MUL:  # masked lanes: silu(0) * 0 = 0
         if EVEN_K:
             up = tl.load(ptrs + up_offset)
@@ -84,10 +136,19 @@ def _row_term(
     k_offs,  # [BLOCK_K] positions along K
     k_ok,  # [BLOCK_K] bool; ignored when EVEN_K
     K,
+    res_ptr,
+    stride_rm,
+    nw_ptr,
+    rstd,  # fp32 scalar, the row's 1 / rms; with RMS_NORM
     EVEN_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    RMS_NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
-    x = _load_x(x_ptr + row * stride_xm + k_offs, K, k_ok, EVEN_K, SILU_MUL)
+    x = _load_x(
+        x_ptr + row * stride_xm + k_offs, K, k_ok, res_ptr + row * stride_rm + k_offs,
+        nw_ptr + k_offs, rstd, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
+    )  # fmt: skip
     return acc + w * x.to(tl.float32)[None, :]
 
 
@@ -124,6 +185,9 @@ def _skinny_matmul_kernel(
     w_ptr,  # [N, K], unit column stride
     bias_ptr,  # [N]; read when HAS_BIAS (and SPLIT_K == 1)
     out_ptr,  # [M, N] x's dtype; with SPLIT_K > 1 the fp32 workspace [SPLIT_K, M, N]
+    res_ptr,  # [M, K] residual, unit column stride; read with RMS_NORM and HAS_RESIDUAL
+    nw_ptr,  # [K] norm weight, x's dtype; read with RMS_NORM
+    res_out_ptr,  # [M, K] x + residual; written with RMS_NORM and HAS_RESIDUAL
     M,
     N,
     K,
@@ -131,7 +195,10 @@ def _skinny_matmul_kernel(
     stride_wn,
     stride_om,
     stride_os,  # workspace stride between splits
+    stride_rm,
+    stride_rom,
     k_per_split,  # a multiple of BLOCK_K
+    eps,  # the norm's epsilon; with RMS_NORM
     BLOCK_M: tl.constexpr,  # 16 with USE_DOT; 1, 2 or 4 without
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -140,6 +207,9 @@ def _skinny_matmul_kernel(
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no masks along K
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # the GEMM's x is silu(x[:, :K]) * x[:, K:]
+    RMS_NORM: tl.constexpr,  # the GEMM's x is rms_norm(x (+ residual)) * norm weight
+    HAS_RESIDUAL: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,  # next_power_of_2(K) with RMS_NORM, else 1
     NUM_STAGES: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -154,10 +224,23 @@ def _skinny_matmul_kernel(
     k_len = tl.minimum(K - k_start, k_per_split)  # <= 0 for a trailing empty split
     split_offset = pid_k.to(tl.int64) * stride_os
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
+    # Program 0 along N, split 0, stores the residual stream of its rows: one writer each.
+    writer = (pid_n == 0) & (pid_k == 0)
     if USE_DOT:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
         x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]  # [BM, BK]
+        res_ptrs = res_ptr + rows_m[:, None] * stride_rm + (k_start + offs_k)[None, :]
+        nw_ptrs = nw_ptr + (k_start + offs_k)[None, :]  # [1, BK]
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if RMS_NORM:  # one full-row pre-pass per row, gathered into a [BLOCK_M] vector
+            for i in tl.static_range(BLOCK_M):
+                rstd_i = _norm_row_rstd(
+                    x_ptr, res_ptr, res_out_ptr, tl.minimum(m0 + i, M - 1).to(tl.int64),
+                    stride_xm, stride_rm, stride_rom, K, eps, writer & (m0 + i < M),
+                    HAS_RESIDUAL, NORM_BLOCK,
+                )  # fmt: skip
+                rstd = tl.where(tl.arange(0, BLOCK_M) == i, rstd_i, rstd)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
             k_ok = (offs_k < k_len - k)[None, :]
@@ -165,11 +248,16 @@ def _skinny_matmul_kernel(
                 w = tl.load(w_ptrs, eviction_policy="evict_first")
             else:
                 w = tl.load(w_ptrs, mask=k_ok, other=0.0, eviction_policy="evict_first")
-            x = _load_x(x_ptrs, K, k_ok, EVEN_K, SILU_MUL)
+            x = _load_x(
+                x_ptrs, K, k_ok, res_ptrs, nw_ptrs, rstd[:, None], EVEN_K, SILU_MUL, RMS_NORM,
+                HAS_RESIDUAL,
+            )  # fmt: skip
             # fp32 stays fp32 ("ieee"), as F.linear without TF32; ignored for 16-bit inputs.
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+            res_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         _store_rows(
             acc, out_ptr, bias_ptr, offs_n, rows_n, offs_m, N, M, stride_om, split_offset,
             SPLIT_K, HAS_BIAS,
@@ -181,6 +269,29 @@ def _skinny_matmul_kernel(
         row1 = tl.minimum(m0 + 1, M - 1).to(tl.int64)
         row2 = tl.minimum(m0 + 2, M - 1).to(tl.int64)
         row3 = tl.minimum(m0 + 3, M - 1).to(tl.int64)
+        rstd0 = 0.0
+        rstd1 = 0.0
+        rstd2 = 0.0
+        rstd3 = 0.0
+        if RMS_NORM:
+            rstd0 = _norm_row_rstd(
+                x_ptr, res_ptr, res_out_ptr, row0, stride_xm, stride_rm, stride_rom, K, eps,
+                writer, HAS_RESIDUAL, NORM_BLOCK,
+            )  # fmt: skip
+            if BLOCK_M > 1:
+                rstd1 = _norm_row_rstd(
+                    x_ptr, res_ptr, res_out_ptr, row1, stride_xm, stride_rm, stride_rom, K, eps,
+                    writer & (m0 + 1 < M), HAS_RESIDUAL, NORM_BLOCK,
+                )  # fmt: skip
+            if BLOCK_M > 2:
+                rstd2 = _norm_row_rstd(
+                    x_ptr, res_ptr, res_out_ptr, row2, stride_xm, stride_rm, stride_rom, K, eps,
+                    writer & (m0 + 2 < M), HAS_RESIDUAL, NORM_BLOCK,
+                )  # fmt: skip
+                rstd3 = _norm_row_rstd(
+                    x_ptr, res_ptr, res_out_ptr, row3, stride_xm, stride_rm, stride_rom, K, eps,
+                    writer & (m0 + 3 < M), HAS_RESIDUAL, NORM_BLOCK,
+                )  # fmt: skip
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc1 = acc0
         acc2 = acc0
@@ -193,18 +304,24 @@ def _skinny_matmul_kernel(
             else:
                 w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-            acc0 = _row_term(acc0, w, x_ptr, row0, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL)
+            acc0 = _row_term(
+                acc0, w, x_ptr, row0, stride_xm, x_offs + k, k_ok, K, res_ptr, stride_rm, nw_ptr,
+                rstd0, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
+            )  # fmt: skip
             if BLOCK_M > 1:
                 acc1 = _row_term(
-                    acc1, w, x_ptr, row1, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
-                )
+                    acc1, w, x_ptr, row1, stride_xm, x_offs + k, k_ok, K, res_ptr, stride_rm,
+                    nw_ptr, rstd1, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
+                )  # fmt: skip
             if BLOCK_M > 2:
                 acc2 = _row_term(
-                    acc2, w, x_ptr, row2, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
-                )
+                    acc2, w, x_ptr, row2, stride_xm, x_offs + k, k_ok, K, res_ptr, stride_rm,
+                    nw_ptr, rstd2, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
+                )  # fmt: skip
                 acc3 = _row_term(
-                    acc3, w, x_ptr, row3, stride_xm, x_offs + k, k_ok, K, EVEN_K, SILU_MUL
-                )
+                    acc3, w, x_ptr, row3, stride_xm, x_offs + k, k_ok, K, res_ptr, stride_rm,
+                    nw_ptr, rstd3, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
+                )  # fmt: skip
             w_ptrs += BLOCK_K
         one = tl.arange(0, 1)
         _store_rows(
@@ -329,6 +446,37 @@ def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
     return cfg._replace(block_k=block_k, split_k=split_k)
 
 
+def _check_norm_args(
+    x: torch.Tensor,
+    silu_mul_input: bool,
+    rms_norm: tuple[torch.Tensor, float] | None,
+    residual: torch.Tensor | None,
+    residual_out: torch.Tensor | None,
+) -> None:
+    if rms_norm is None:
+        if residual is not None or residual_out is not None:
+            raise ValueError("residual and residual_out go with rms_norm")
+        return
+    if silu_mul_input:
+        raise ValueError("rms_norm and silu_mul_input do not combine")
+    norm_weight = rms_norm[0]
+    if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
+                         f"match x's last dim {x.shape[-1]} and dtype {x.dtype}")
+    if (residual is None) != (residual_out is None):
+        raise ValueError("a residual needs a residual_out (and residual_out a residual)")
+    if residual is None:
+        return
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError("residual must match x's shape and dtype")
+    if residual_out.shape != x.shape or residual_out.dtype != x.dtype:
+        raise ValueError("residual_out must match x's shape and dtype")
+    if residual_out.stride(-1) != 1:
+        raise ValueError("residual_out needs unit column stride")
+    if residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr()):
+        raise ValueError("residual_out must not alias x or residual")
+
+
 def skinny_linear(
     x: torch.Tensor,  # [..., K] ([..., 2K] with silu_mul_input), unit column stride
     weight: torch.Tensor,  # [N, K], unit column stride (rows may be strided)
@@ -337,12 +485,20 @@ def skinny_linear(
     *,
     out: torch.Tensor | None = None,  # [..., N] preallocated output, unit column stride
     silu_mul_input: bool = False,  # x is a fused gate_up output: multiply silu(gate) * up
+    rms_norm: tuple[torch.Tensor, float] | None = None,  # (norm weight [K], eps)
+    residual: torch.Tensor | None = None,  # [..., K]; with rms_norm
+    residual_out: torch.Tensor | None = None,  # [..., K] unit column stride; with residual
 ) -> torch.Tensor:  # [..., N], x's dtype
     """`F.linear(x, weight, bias)` for few rows of x; fp32 accumulation. Any row count works
     (the grid tiles M by 16) but past 16 rows cuBLAS's GEMMs are the better choice. A weight
     without unit column stride is left to F.linear rather than copied. With silu_mul_input,
     `F.linear(silu_mul_torch(*x.chunk(2, -1)), weight, bias)`, the activation formed in the
-    kernel's loads (K, the GEMM's depth and the config's key, is half of x's width)."""
+    kernel's loads (K, the GEMM's depth and the config's key, is half of x's width).
+
+    With rms_norm = (norm_weight, eps), the GEMM's input is `rms_norm_torch(x, norm_weight,
+    eps, residual)`, formed in the kernel's loads exactly as `triton_rms_norm` forms it; with a
+    residual the new stream x + residual is written to residual_out (required, and not
+    aliasing x or residual: other programs still read them while it is written)."""
     width = x.shape[-1]
     k = width // 2 if silu_mul_input else width
     n = weight.shape[0]
@@ -352,17 +508,34 @@ def skinny_linear(
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dim {k}")
     if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError("x, weight and bias must share one dtype")
+    _check_norm_args(x, silu_mul_input, rms_norm, residual, residual_out)
     if out is None:
         out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     rows = x.reshape(-1, width)
     m = rows.shape[0]
-    if m == 0 or n == 0:
+    if m == 0:
         return out
-    if k == 0 or weight.stride(1) != 1:
-        out.copy_(skinny_linear_torch(x, weight, bias, silu_mul_input=silu_mul_input))
+    if n == 0 or k == 0 or weight.stride(1) != 1:
+        out.copy_(
+            skinny_linear_torch(
+                x, weight, bias, silu_mul_input=silu_mul_input, rms_norm=rms_norm,
+                residual=residual, residual_out=residual_out,
+            )  # fmt: skip
+        )
         return out
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    # Without RMS_NORM (or a residual) the kernel never touches these: any tensor will do.
+    norm_weight = res_rows = res_out_rows = rows
+    eps = 0.0
+    if rms_norm is not None:
+        norm_weight, eps = rms_norm
+        norm_weight = norm_weight.contiguous()
+        if residual is not None:
+            res_rows = residual.reshape(-1, k)
+            if res_rows.stride(-1) != 1:
+                res_rows = res_rows.contiguous()
+            res_out_rows = residual_out.view(-1, k)
     out_rows = out.view(-1, n)
     cfg = config if config is not None else pick_config(m, n, k)
     block_m = 16 if cfg.use_dot else min(m_bucket(m), 4)
@@ -377,6 +550,9 @@ def skinny_linear(
         weight,
         bias if bias is not None else weight,  # unused without HAS_BIAS
         target,
+        res_rows,
+        norm_weight,
+        res_out_rows,
         m,
         n,
         k,
@@ -384,7 +560,10 @@ def skinny_linear(
         weight.stride(0),
         target.stride(-2),
         target.stride(0) if split_k > 1 else 0,
+        res_rows.stride(0),
+        res_out_rows.stride(0),
         k_per_split,
+        eps,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -393,6 +572,9 @@ def skinny_linear(
         EVEN_K=k % (cfg.block_k * split_k) == 0,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul_input,
+        RMS_NORM=rms_norm is not None,
+        HAS_RESIDUAL=residual is not None,
+        NORM_BLOCK=triton.next_power_of_2(k) if rms_norm is not None else 1,
         NUM_STAGES=cfg.num_stages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

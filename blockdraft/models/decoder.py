@@ -34,6 +34,10 @@ SKINNY_DEVICE_TYPE = "cuda"
 # from the fused gate_up output, saving the activation kernel's launch (one per layer). Off
 # until measured on a GPU (benchmarks/gpu_bench.py --fuse-silu-mul).
 FUSE_SILU_MUL_INTO_DOWN = False
+# Where a layer's fused q/k/v and gate/up projections run the skinny GEMM, form the residual
+# add + RMSNorm before each in the GEMM's loads (two norm kernels' launches less per layer).
+# Off until measured on a GPU (benchmarks/gpu_bench.py --fuse-norm).
+FUSE_NORM_INTO_SKINNY = False
 
 
 def skinny(
@@ -121,10 +125,25 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        if self._qkv is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:  # row views of one [num_tokens, q + 2 kv] output
-            q, k, v = linear(x, *self._qkv).split(self._split, dim=-1)
+        if self._qkv is not None:
+            return self.attend(linear(x, *self._qkv), positions)
+        return self.attend_qkv(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q + 2 kv], the fused projection's output
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused q/k/v projection (split into row views)."""
+        return self.attend_qkv(*qkv.split(self._split, dim=-1), positions)
+
+    def attend_qkv(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -149,16 +168,29 @@ class MLP(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        down = self.down_proj
         if self._gate_up is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:  # row-strided halves of one output; the activation kernel reads them in place
-            gate_up = linear(x, *self._gate_up)  # [num_tokens, 2 * intermediate]
-            if FUSE_SILU_MUL_INTO_DOWN and skinny(gate_up, down.weight, down.bias):
-                return get_linear_backend(x.device)(
-                    gate_up, down.weight, down.bias, silu_mul_input=True
-                )
-            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down(self.gate_proj(x), self.up_proj(x))
+        return self.down_gate_up(linear(x, *self._gate_up))
+
+    def down_gate_up(
+        self,
+        gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], the fused projection's output
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused gate/up projection."""
+        down = self.down_proj
+        if FUSE_SILU_MUL_INTO_DOWN and skinny(gate_up, down.weight, down.bias):
+            return get_linear_backend(gate_up.device)(
+                gate_up, down.weight, down.bias, silu_mul_input=True
+            )
+        # row-strided halves of one output; the activation kernel reads them in place
+        return self.down(*gate_up.chunk(2, dim=-1))
+
+    def down(
+        self,
+        gate: torch.Tensor,  # [num_tokens, intermediate]
+        up: torch.Tensor,  # [num_tokens, intermediate]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        down = self.down_proj
         if needs_autograd(gate, up):
             act = silu_mul_torch(gate, up)
         else:
@@ -189,6 +221,15 @@ class DecoderLayer(nn.Module):
         """Pre-norm block whose output `mlp_out + residual` is left unsummed: each residual add
         is fused into the norm after it (one kernel on the Triton path), the last one into the
         next layer's input norm or the final norm. `layer_output` sums it where it is needed."""
+        if FUSE_NORM_INTO_SKINNY and self._norms_fuse(x, residual):
+            # Each norm formed in the loads of the skinny GEMM after it: same outputs and stream.
+            attn, mlp = self.self_attn, self.mlp
+            qkv, residual = _norm_linear(self.input_layernorm, x, residual, *attn._qkv)
+            h = attn.attend(qkv, positions)
+            gate_up, residual = _norm_linear(
+                self.post_attention_layernorm, h, residual, *mlp._gate_up
+            )
+            return mlp.down_gate_up(gate_up), residual
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -196,6 +237,36 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def _norms_fuse(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether both norms can go into the skinny q/k/v and gate/up GEMMs: fused projections
+        that run it, and one dtype for the activations, the residual and the norm weights."""
+        qkv, gate_up = self.self_attn._qkv, self.mlp._gate_up
+        if qkv is None or gate_up is None:
+            return False
+        norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        dtypes = {x.dtype, *(w.dtype for w in norms)}
+        if residual is not None:
+            dtypes.add(residual.dtype)
+        return len(dtypes) == 1 and skinny(x, residual, *qkv, *gate_up, *norms)
+
+
+def _norm_linear(
+    norm: RMSNorm,
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream
+    weight: torch.Tensor,  # [out_features, hidden]
+    bias: torch.Tensor | None,  # [out_features]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (linear(norm(x + residual)), x + residual)
+    """`norm` (with its residual add) and the skinny GEMM after it, in one kernel."""
+    gemm = get_linear_backend(x.device)
+    if residual is None:
+        return gemm(x, weight, bias, rms_norm=(norm.weight, norm.eps)), x
+    stream = torch.empty_like(x, memory_format=torch.contiguous_format)
+    out = gemm(
+        x, weight, bias, rms_norm=(norm.weight, norm.eps), residual=residual, residual_out=stream
+    )
+    return out, stream
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
