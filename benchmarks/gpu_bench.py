@@ -121,6 +121,44 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
     return elapsed / steps * 1e3
 
 
+# (name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY)
+ABLATION = [
+    ("cuBLAS", 0, False, False),
+    ("skinny <= 2 rows", 2, False, False),
+    ("+ SiLU·mul prologue", 2, True, False),
+    ("+ RMSNorm prologue", 2, False, True),
+    ("+ both prologues", 2, True, True),
+]
+
+
+def ablate(target: str, kw: dict, prompt: list[int], steps: int) -> list[dict]:
+    """Decode step time at batch 1 and 8 for each GEMM variant of the AR engine, one engine at a
+    time (random weights made again for each, so the greedy tokens compare only in shape)."""
+    import gc
+
+    from blockdraft.models import decoder
+
+    rows = []
+    for name, max_rows, silu, norm in tqdm(ABLATION, "ablation"):
+        decoder.SKINNY_MAX_ROWS = max_rows
+        decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
+        llm = LLM(target, **kw)
+        step1 = mean_step_ms(llm, prompt, 1, steps)
+        step8 = mean_step_ms(llm, prompt, 8, steps)
+        rows.append({"variant": name, "decode_ms_batch1": step1, "decode_ms_batch8": step8,
+                     "tok_s_batch1": 1e3 / step1})
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    print_table(
+        "decode step by GEMM variant (ms; tok/s = 1000 / batch-1 step)",
+        ["variant", "batch 1", "tok/s", "batch 8"],
+        [[r["variant"], r["decode_ms_batch1"], r["tok_s_batch1"], r["decode_ms_batch8"]]
+         for r in rows],
+    )
+    return rows
+
+
 def profile_steps(llm: LLM, prompt: list[int], steps: int, label: str) -> list[list]:
     """Top CUDA kernels and the host/device split of `steps` batch-1 engine steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -232,6 +270,11 @@ def main() -> None:
     )
     p.add_argument("--profile", action="store_true", help="profile batch-1 steps")
     p.add_argument(
+        "--ablate",
+        action="store_true",
+        help="only the decode step of each GEMM variant (cuBLAS, skinny, its prologues)",
+    )
+    p.add_argument(
         "--skinny-rows",
         type=int,
         default=None,
@@ -286,6 +329,11 @@ def main() -> None:
         max_model_len=args.prompt_len + args.new_tokens + 64,
         max_num_seqs=max(args.concurrency + args.batches),
     )
+    if args.ablate:
+        results["ablation"] = ablate(str(target), kw, prompt, args.steps)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        return
     t0 = time.perf_counter()
     ar = LLM(str(target), **kw)
     print(
