@@ -39,6 +39,27 @@ if not INTERPRETED and not torch.cuda.is_available():
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
 
+def tiny_qwen3_config(num_layers: int) -> TransformerConfig:
+    """A Qwen3-shaped model (q/k norms, GQA 2) small enough for the interpreter."""
+    return TransformerConfig(
+        architecture="qwen3",
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    )
+
+
 def randn(rng: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=rng).to(DEVICE, dtype)
 
@@ -197,7 +218,7 @@ def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
     and through F.linear otherwise."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # the default is off until tuned
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # wider than the default (2)
     calls = []
 
     def counting(device: torch.device):
@@ -209,23 +230,7 @@ def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
         return run
 
     monkeypatch.setattr(decoder, "get_linear_backend", counting)
-    cfg = TransformerConfig(
-        architecture="qwen3",
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=12,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=True,
-    )
+    cfg = tiny_qwen3_config(num_layers=1)
     with torch.device(DEVICE):
         mlp, lm = MLP(24, 40), DecoderLM(cfg)
     mlp.fuse_projections()
@@ -454,23 +459,7 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
         return run
 
     monkeypatch.setattr(decoder, "get_linear_backend", counting)
-    cfg = TransformerConfig(
-        architecture="qwen3",
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_layers=3,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=12,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=True,
-    )
+    cfg = tiny_qwen3_config(num_layers=3)
     with torch.device(DEVICE):
         lm = DecoderLM(cfg)
     for name, p in lm.named_parameters():

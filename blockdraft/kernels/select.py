@@ -26,7 +26,6 @@ from typing import Generic, TypeVar
 
 import torch
 
-from blockdraft.kernels.cross_entropy import linear_cross_entropy_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
@@ -40,7 +39,6 @@ RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DFlashInputsFn = Callable[..., object]
 LinearFn = Callable[..., torch.Tensor]
-LinearCrossEntropyFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -165,14 +163,3 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
         return triton_linear.skinny_linear
     return skinny_linear_torch
 
-
-def get_linear_cross_entropy_backend(
-    device: torch.device | str | None = None,
-) -> LinearCrossEntropyFn:
-    """`fn(hidden, weight, labels, weights, chunk_rows) -> (sum of weighted CE, correct)`, the
-    drafter's training loss through a frozen LM head (differentiable in hidden), same switch."""
-    if use_triton(device):
-        from blockdraft.kernels import triton_cross_entropy
-
-        return triton_cross_entropy.triton_linear_cross_entropy
-    return linear_cross_entropy_torch

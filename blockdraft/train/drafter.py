@@ -355,9 +355,15 @@ def use_fused_loss(drafter: DFlashDrafter, device: torch.device, fused: bool | N
         return False
     if fused is None:
         return select.use_triton(device)
-    if fused and device.type != "cuda" and not select._interpreting():
-        raise ValueError("the fused loss runs on CUDA (or on the CPU under TRITON_INTERPRET=1)")
+    if fused:
+        check_fused_loss_device(device)
     return fused
+
+
+def check_fused_loss_device(device: torch.device | str) -> None:
+    """The fused loss is a Triton kernel: compiled on CUDA, or interpreted on the CPU."""
+    if torch.device(device).type != "cuda" and not select._interpreting():
+        raise ValueError("fused_loss=True needs a CUDA device (or TRITON_INTERPRET=1)")
 
 
 def block_loss(

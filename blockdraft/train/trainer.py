@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.kernels import select
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -56,6 +55,7 @@ from blockdraft.train.drafter import (
     Attend,
     TargetFeatures,
     block_loss,
+    check_fused_loss_device,
     default_mask_token_id,
     dense_attend,
     drafter_hf_config,
@@ -152,8 +152,8 @@ class TrainConfig:
             raise ValueError("block_size must be at least 2")
         if self.steps is not None and self.steps < 1:
             raise ValueError("steps must be positive")
-        if self.fused_loss and not self.device.startswith("cuda") and not select._interpreting():
-            raise ValueError("fused_loss=True needs a CUDA device (or TRITON_INTERPRET=1)")
+        if self.fused_loss:
+            check_fused_loss_device(self.device)
         if self.loss_gamma is None:
             self.loss_gamma = DEFAULT_GAMMA.get(self.block_size, 7.0 * self.block_size / 16)
 
