@@ -94,7 +94,7 @@ def decode_tok_s(
             use_tqdm=False,
         )
     rates = []
-    for _ in range(reps):  # one 64-token pass is short: single runs spread by up to ~20%
+    for _ in range(reps):  # one short pass (64 tokens) spread by up to ~20% run to run
         t0 = now()
         outs = llm.generate([prompt] * batch, params, use_tqdm=False)
         rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0))
@@ -260,6 +260,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    p.add_argument(
+        "--conc-tokens",
+        type=int,
+        default=None,
+        help="new tokens per request in the concurrency runs (default: --new-tokens; runs "
+        "before 2026-12-03 used 64, where the prefill weighs on the figure)",
+    )
     p.add_argument("--accept", type=float, default=0.86)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument(
@@ -299,6 +306,7 @@ def main() -> None:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    conc_tokens = args.conc_tokens or args.new_tokens
     from blockdraft.models import decoder
 
     if args.skinny_rows is not None:
@@ -310,6 +318,7 @@ def main() -> None:
     if args.fuse_norm:
         decoder.FUSE_NORM_INTO_SKINNY = True
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
+    results["conc_tokens"] = conc_tokens
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
@@ -349,13 +358,16 @@ def main() -> None:
     results["transformers_tok_s"], results["zlab_block1_tok_s"] = hf, zlab
 
     ar_steps = {b: mean_step_ms(ar, prompt, b, args.steps) for b in tqdm(args.batches, "AR steps")}
-    ar_conc = {c: decode_tok_s(ar, prompt, c, 64) for c in tqdm(args.concurrency, "AR conc")}
+    def by_concurrency(llm: LLM, label: str) -> dict[int, float]:
+        return {c: decode_tok_s(llm, prompt, c, conc_tokens) for c in tqdm(args.concurrency, label)}
+
+    ar_conc = by_concurrency(ar, "AR conc")
     prof_rows = profile_steps(ar, prompt, args.steps, "AR") if args.profile else []
     del ar
     torch.cuda.empty_cache()
     sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
     sd_steps = {b: mean_step_ms(sd, prompt, b, args.steps) for b in tqdm(args.batches, "SD steps")}
-    fixed_conc = {c: decode_tok_s(sd, prompt, c, 64) for c in tqdm(args.concurrency, "N=15 conc")}
+    fixed_conc = by_concurrency(sd, "N=15 conc")
     fixed_tau = sd.engine.spec_stats.mean_acceptance_length
     if args.profile:
         prof_rows += profile_steps(sd, prompt, args.steps, "DFlash N=15")
@@ -364,7 +376,7 @@ def main() -> None:
     # The default: N by batch size, as users get it.
     auto = dflash_llm(target, drafter, 15, "auto", args.accept, kw)
     results["draft_schedule"] = schedule_text(auto)
-    sd_conc = {c: decode_tok_s(auto, prompt, c, 64) for c in tqdm(args.concurrency, "SD conc")}
+    sd_conc = by_concurrency(auto, "SD conc")
     results["step_ms"] = {"ar": ar_steps, "dflash": sd_steps}
     results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc, "dflash_n15": fixed_conc}
     results["mean_acceptance_length"] = auto.engine.spec_stats.mean_acceptance_length
@@ -376,7 +388,7 @@ def main() -> None:
     if args.small_block:
         top = sorted(args.concurrency)[-2:]
         small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
-        small_conc = {c: decode_tok_s(small, prompt, c, 64) for c in top}
+        small_conc = {c: decode_tok_s(small, prompt, c, conc_tokens) for c in top}
         small_tau = small.engine.spec_stats.mean_acceptance_length
         del small
         torch.cuda.empty_cache()
@@ -388,7 +400,7 @@ def main() -> None:
 
     print(
         f"\n{results['hardware']}, {results['date']}; Qwen3-8B shapes, random bf16 weights, "
-        f"prompt {args.prompt_len}, {args.new_tokens} new tokens"
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens ({conc_tokens} in c)"
     )
     print_table(
         "a. batch-1 decode tok/s",
