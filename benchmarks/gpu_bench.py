@@ -294,13 +294,15 @@ def main() -> None:
     )
     p.add_argument(
         "--fuse-silu-mul",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="skinny down projections form the MLP's silu(gate) * up in their loads "
         "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
     )
     p.add_argument(
         "--fuse-norm",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
         "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
     )
@@ -313,10 +315,10 @@ def main() -> None:
         decoder.SKINNY_MAX_ROWS = args.skinny_rows
     if args.skinny_configs:
         load_skinny_configs(args.skinny_configs)
-    if args.fuse_silu_mul:
-        decoder.FUSE_SILU_MUL_INTO_DOWN = True
-    if args.fuse_norm:
-        decoder.FUSE_NORM_INTO_SKINNY = True
+    if args.fuse_silu_mul is not None:  # default: the engine's own setting
+        decoder.FUSE_SILU_MUL_INTO_DOWN = args.fuse_silu_mul
+    if args.fuse_norm is not None:
+        decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS

@@ -223,10 +223,10 @@ def test_config_and_cli_flag(tmp_path) -> None:
     add_train_draft_parser(sub)
     parser = sub.choices["train-draft"]
     base = ["--data", "d.jsonl", "--out", "o"]
-    assert parser.parse_args(base).fused_loss is False
+    assert parser.parse_args(base).fused_loss is None
     assert parser.parse_args([*base, "--fused-loss"]).fused_loss is True
     assert parser.parse_args([*base, "--no-fused-loss"]).fused_loss is False
-    assert TrainConfig(out_dir=str(tmp_path), data="d", device="cpu").fused_loss is False
+    assert TrainConfig(out_dir=str(tmp_path), data="d", device="cpu").fused_loss is None
     assert TrainConfig(out_dir=str(tmp_path), data="d", device="cpu", fused_loss=False)
     if not INTERPRETED:
         with pytest.raises(ValueError, match="fused_loss"):

@@ -31,13 +31,13 @@ SKINNY_MAX_ROWS = 2
 # Compiled Triton only: in the interpreter the kernel would crawl through every projection.
 SKINNY_DEVICE_TYPE = "cuda"
 # Where the down projection runs the skinny GEMM, form the MLP's silu(gate) * up in its loads
-# from the fused gate_up output, saving the activation kernel's launch (one per layer). Off
-# until measured on a GPU (benchmarks/gpu_bench.py --fuse-silu-mul).
-FUSE_SILU_MUL_INTO_DOWN = False
+# from the fused gate_up output, saving the activation kernel's launch (one per layer).
+# Measured on the H200 (gpu_bench.py --ablate, BENCHMARKS.md): with the norm prologue, the
+# batch-1 Qwen3-8B decode step 4.92 -> 4.61 ms.
+FUSE_SILU_MUL_INTO_DOWN = True
 # Where a layer's fused q/k/v and gate/up projections run the skinny GEMM, form the residual
 # add + RMSNorm before each in the GEMM's loads (two norm kernels' launches less per layer).
-# Off until measured on a GPU (benchmarks/gpu_bench.py --fuse-norm).
-FUSE_NORM_INTO_SKINNY = False
+FUSE_NORM_INTO_SKINNY = True
 
 
 def skinny(

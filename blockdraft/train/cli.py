@@ -51,8 +51,8 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--fused-loss",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="LM head + cross-entropy in a fused Triton kernel (CUDA; default: off until measured)",
+        default=None,
+        help="LM head + cross-entropy in a fused Triton kernel (default: on CUDA)",
     )
     g.add_argument("--save-every", type=int, default=0)
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
