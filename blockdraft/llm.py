@@ -78,17 +78,21 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """Generates the reply to each conversation; with `continue_final_message` (and
+        `add_generation_prompt=False`), continues each conversation's final assistant message."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
             _check_messages(conversation)
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt
+            prompts.append(
+                self.tokenizer.encode_chat(
+                    conversation, add_generation_prompt, continue_final_message
+                )
             )
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

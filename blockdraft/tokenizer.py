@@ -79,6 +79,31 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed on these messages: {e}") from None
 
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[int]:
+        """Prompt ids of a chat, as `LLM.chat` sends them. With `continue_final_message` (as in
+        vLLM) the last message is an assistant's to be continued: the prompt ends with its
+        content, without the template's end-of-turn after it."""
+        if not continue_final_message:
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return self.encode(text, add_special_tokens=False)
+        if add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        final = messages[-1] if messages else None
+        if not isinstance(final, dict) or final.get("role") != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+        text = self.apply_chat_template(messages, add_generation_prompt=False)
+        # Templates may strip the content: cut after its last stripped occurrence.
+        content = final["content"].strip()
+        end = text.rfind(content) if content else -1
+        if end < 0:
+            raise ValueError("the chat template does not render the final message's content")
+        return self.encode(text[: end + len(content)], add_special_tokens=False)
+
 
 def _raise_template_error(message: str) -> None:
     raise jinja2.TemplateError(message)

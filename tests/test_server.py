@@ -203,6 +203,27 @@ def test_chat_equals_offline_greedy(plain: Served, offline: LLM) -> None:
     assert resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
 
 
+def test_chat_continues_the_final_message(plain: Served, offline: LLM) -> None:
+    """vLLM's extra chat parameters: add_generation_prompt=false + continue_final_message=true
+    continue the last assistant message (as `LLM.chat` does); a chat that does not end with one
+    is a 400 naming the problem."""
+    messages = [
+        {"role": "user", "content": "w11 w12 w13"},
+        {"role": "assistant", "content": "w21 w22"},
+    ]
+    ref = offline.chat(messages, greedy(10), use_tqdm=False, add_generation_prompt=False,
+                       continue_final_message=True)[0]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    resp = plain.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body=extra
+    )
+    assert resp.choices[0].message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    r = httpx.post(f"{plain.url}/v1/chat/completions",
+                   json={"model": MODEL, "messages": messages[:1], **extra})
+    assert r.status_code == 400 and "assistant message last" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_stream_assembles_to_the_non_streamed_answer(plain: Served, endpoint: str) -> None:
     client = plain.client()

@@ -185,6 +185,38 @@ def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Pa
     assert [s.input_ids for s in load_samples(one_go)] != [s.input_ids for s in samples[:6]]
 
 
+def test_regenerate_continues_a_final_assistant_message(setup: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    """A prompt chat ending with an assistant message is continued (vLLM's
+    continue_final_message): the prompt ids are the template's text up to that message's content,
+    with no end-of-turn or generation prompt after it, and the response is what `LLM.chat` gives."""
+    rng = random.Random()
+    words = lambda n: " ".join(f"w{rng.randrange(7, VOCAB)}" for _ in range(n))  # noqa: E731
+    chats = [
+        [{"role": "user", "content": words(rng.randint(2, 6))},
+         {"role": "assistant", "content": words(rng.randint(1, 5))}]
+        for _ in range(3)
+    ]
+    llm = LLM(str(setup["target"]), max_model_len=128)
+    tok = llm.tokenizer
+    out = regenerate(chats, tmp_path / "cont.jsonl", llm=llm, max_tokens=12, use_tqdm=False)
+    samples = load_samples(out)
+    assert len(samples) == 3
+    ref = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)
+    for chat, sample, r in zip(chats, samples, ref, strict=True):
+        user, answer = chat[0]["content"], chat[1]["content"]
+        # the test template: "w4 {content} w5 " per message, "w6" as the generation prompt
+        assert sample.input_ids[: sample.loss_start] == tok.encode(
+            f"w4 {user} w5 w4 {answer}", add_special_tokens=False
+        )
+        assert sample.input_ids == r.prompt_token_ids + r.outputs[0].token_ids
+    with pytest.raises(ValueError, match="assistant message last"):
+        llm.chat(chats[0][:1], add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        llm.chat(chats[0], continue_final_message=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # Anchors and masks
 # ---------------------------------------------------------------------------------------------

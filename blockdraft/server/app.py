@@ -199,8 +199,9 @@ class _Server:
         messages = chat_messages(req)
 
         def render() -> list[int]:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode_chat(
+                messages, req.add_generation_prompt, req.continue_final_message
+            )
 
         return await self._tokenize(render, "messages")
 

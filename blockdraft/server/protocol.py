@@ -126,6 +126,9 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=0)
+    # vLLM's extra chat parameters: continue the final assistant message instead of replying.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:

@@ -250,12 +250,16 @@ def _done_keys(path: Path) -> set[str]:
 
 
 def render_prompt(tokenizer: Tokenizer | None, messages: Messages) -> list[int]:
-    """Prompt token ids exactly as `LLM.chat` builds them (raw text for template-less models)."""
+    """Prompt token ids exactly as `LLM.chat` builds them (raw text for template-less models).
+    A chat that ends with an assistant message asks for its continuation (`LLM.chat`'s
+    `continue_final_message`): the target's text from a point inside someone else's answer."""
     if tokenizer is None:
         raise ValueError("rendering a chat prompt needs a model with a tokenizer")
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return tokenizer.encode(text, add_special_tokens=False)
+        cont = messages[-1]["role"] == "assistant"
+        return tokenizer.encode_chat(
+            messages, add_generation_prompt=not cont, continue_final_message=cont
+        )
     return tokenizer.encode("\n\n".join(m["content"] for m in messages))
 
 
