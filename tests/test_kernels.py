@@ -51,6 +51,7 @@ from blockdraft.kernels.triton_rope import (  # noqa: E402
 )
 from blockdraft.layers.norm import RMSNorm  # noqa: E402
 from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
+from blockdraft.models import decoder  # noqa: E402
 from blockdraft.models.decoder import MLP, DecoderLayer, final_norm  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
@@ -686,6 +687,67 @@ def test_decoder_layers_fused_residual_norm(
         # bf16: another rounding of rstd (and, in the interpreter, truncating casts to bf16)
         # moves values by a bf16 ulp, which the following layers carry on.
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch) -> None:
+    """With FUSE_KV_STORE_INTO_ROPE, Qwen3 layers on the Triton path (fused q/k/v: strided
+    heads) store their keys and values from the RoPE kernel and attend without the store
+    kernel, and the drafter's context rows (`write_kv`) likewise: the same outputs and caches,
+    bit for bit, as the separate store."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    calls = {"store": 0, "rope+store": 0}
+
+    def counting_store(*args: object) -> None:
+        calls["store"] += 1
+        triton_store_kv(*args)
+
+    def counting_rope_store(*args: object, **kwargs: object) -> object:
+        calls["rope+store"] += 1
+        return triton_qk_norm_rope_store(*args, **kwargs)
+
+    monkeypatch.setattr("blockdraft.kernels.triton_kv_store.triton_store_kv", counting_store)
+    monkeypatch.setattr(
+        "blockdraft.kernels.triton_rope.triton_qk_norm_rope_store", counting_rope_store
+    )
+    layers, final = layer_stack(rng, torch.float32)
+    decoder.fuse_projections(layers)
+    # A prefill chunk, a decode row and a verify block over scattered pages.
+    starts, query_lens = [5, 9, 3], [3, 1, 4]
+    meta, key_cache, _ = paged_batch(rng, starts, query_lens, 4, 2, 16)
+    caches = [(randn(rng, *key_cache.shape), randn(rng, *key_cache.shape)) for _ in layers]
+    positions = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)]
+    ).to(DEVICE)
+    x = randn(rng, sum(query_lens), 48)
+    # Context rows as the drafter writes them, one PAD among them, into slots the block
+    # forward does not touch (the pool's spare blocks but the last).
+    ctx_slots = torch.tensor([0, PAD_SLOT_ID, 2, 5], device=DEVICE)
+    ctx_slots[ctx_slots >= 0] += (key_cache.shape[0] - 3) * 4
+    ctx_positions = torch.tensor([7, 0, 8, 9], device=DEVICE)
+    ctx = randn(rng, 4, 48)
+
+    def run(fuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", fuse)
+        for layer, (k, v) in zip(layers, caches, strict=True):
+            layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache = k.clone(), v.clone()
+        with torch.inference_mode(), forward_context(meta):
+            h, residual = x, None
+            for layer in layers:
+                layer.self_attn.write_kv(ctx, ctx_positions, ctx_slots, counting_store)
+                h, residual = layer(h, positions, residual)
+            out = final_norm(final, h, residual)
+        attns = [layer.self_attn.attn for layer in layers]
+        return out, [c for a in attns for c in (a.key_cache, a.value_cache)]
+
+    expected, expected_caches = run(False)
+    assert calls == {"store": 2 * len(layers), "rope+store": 0}
+    calls.update(store=0)
+    got, got_caches = run(True)
+    assert calls == {"store": 0, "rope+store": 2 * len(layers)}
+    assert torch.equal(got, expected)
+    for g, e in zip(got_caches, expected_caches, strict=True):
+        # All but the pool's reserved last slot, where the torch store sends PAD rows.
+        assert_same_slots(g, e)
 
 
 # --- DFlash drafter inputs -----------------------------------------------------------------
