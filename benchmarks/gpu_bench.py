@@ -121,27 +121,32 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
     return elapsed / steps * 1e3
 
 
-# (name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY)
+# (name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY,
+#  FUSE_KV_STORE_INTO_ROPE)
 ABLATION = [
-    ("cuBLAS", 0, False, False),
-    ("skinny <= 2 rows", 2, False, False),
-    ("+ SiLU·mul prologue", 2, True, False),
-    ("+ RMSNorm prologue", 2, False, True),
-    ("+ both prologues", 2, True, True),
+    ("cuBLAS", 0, False, False, False),
+    ("skinny <= 2 rows", 2, False, False, False),
+    ("+ SiLU·mul prologue", 2, True, False, False),
+    ("+ RMSNorm prologue", 2, False, True, False),
+    ("+ both prologues", 2, True, True, False),
+    ("+ KV store in RoPE", 2, False, False, True),
+    ("all three", 2, True, True, True),
 ]
 
 
 def ablate(target: str, kw: dict, prompt: list[int], steps: int) -> list[dict]:
-    """Decode step time at batch 1 and 8 for each GEMM variant of the AR engine, one engine at a
-    time (random weights made again for each, so the greedy tokens compare only in shape)."""
+    """Decode step time at batch 1 and 8 for each kernel variant of the AR engine (the GEMMs,
+    their prologues, the KV store fused into RoPE), one engine at a time (random weights made
+    again for each, so the greedy tokens compare only in shape)."""
     import gc
 
     from blockdraft.models import decoder
 
     rows = []
-    for name, max_rows, silu, norm in tqdm(ABLATION, "ablation"):
+    for name, max_rows, silu, norm, kv_store in tqdm(ABLATION, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
         decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
+        decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
         llm = LLM(target, **kw)
         step1 = mean_step_ms(llm, prompt, 1, steps)
         step8 = mean_step_ms(llm, prompt, 8, steps)
@@ -151,7 +156,7 @@ def ablate(target: str, kw: dict, prompt: list[int], steps: int) -> list[dict]:
         gc.collect()
         torch.cuda.empty_cache()
     print_table(
-        "decode step by GEMM variant (ms; tok/s = 1000 / batch-1 step)",
+        "decode step by kernel variant (ms; tok/s = 1000 / batch-1 step)",
         ["variant", "batch 1", "tok/s", "batch 8"],
         [[r["variant"], r["decode_ms_batch1"], r["tok_s_batch1"], r["decode_ms_batch8"]]
          for r in rows],
@@ -272,7 +277,8 @@ def main() -> None:
     p.add_argument(
         "--ablate",
         action="store_true",
-        help="only the decode step of each GEMM variant (cuBLAS, skinny, its prologues)",
+        help="only the decode step of each kernel variant (cuBLAS, skinny, its prologues, the "
+        "KV store in RoPE)",
     )
     p.add_argument(
         "--skinny-rows",
@@ -297,6 +303,12 @@ def main() -> None:
         help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
         "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
     )
+    p.add_argument(
+        "--fuse-kv-store",
+        action="store_true",
+        help="the q/k norm + RoPE kernel also writes the keys and values into the paged cache "
+        "(decoder.FUSE_KV_STORE_INTO_ROPE)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     from blockdraft.models import decoder
@@ -309,10 +321,13 @@ def main() -> None:
         decoder.FUSE_SILU_MUL_INTO_DOWN = True
     if args.fuse_norm:
         decoder.FUSE_NORM_INTO_SKINNY = True
+    if args.fuse_kv_store:
+        decoder.FUSE_KV_STORE_INTO_ROPE = True
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
+    results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()
