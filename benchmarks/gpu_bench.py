@@ -121,40 +121,56 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
     return elapsed / steps * 1e3
 
 
-# (name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY)
+# (engine, name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY,
+#  FUSE_KV_STORE_INTO_ROPE); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
 ABLATION = [
-    ("cuBLAS", 0, False, False),
-    ("skinny <= 2 rows", 2, False, False),
-    ("+ SiLU·mul prologue", 2, True, False),
-    ("+ RMSNorm prologue", 2, False, True),
-    ("+ both prologues", 2, True, True),
+    ("AR", "cuBLAS", 0, False, False, False),
+    ("AR", "skinny <= 2 rows", 2, False, False, False),
+    ("AR", "+ SiLU·mul prologue", 2, True, False, False),
+    ("AR", "+ RMSNorm prologue", 2, False, True, False),
+    ("AR", "+ both prologues", 2, True, True, False),
+    ("AR", "+ KV store in RoPE", 2, True, True, True),
+    ("AR", "all, skinny <= 16 rows", 16, True, True, True),
+    ("DFlash", "cuBLAS", 0, False, False, False),
+    ("DFlash", "skinny <= 2 rows, prologues", 2, True, True, False),
+    ("DFlash", "+ KV store in RoPE", 2, True, True, True),
+    ("DFlash", "all, skinny <= 16 rows", 16, True, True, True),
 ]
 
 
-def ablate(target: str, kw: dict, prompt: list[int], steps: int) -> list[dict]:
-    """Decode step time at batch 1 and 8 for each GEMM variant of the AR engine, one engine at a
-    time (random weights made again for each, so the greedy tokens compare only in shape)."""
+def ablate(
+    target: Path, drafter: Path, kw: dict, prompt: list[int], steps: int, accept: float
+) -> list[dict]:
+    """Step time at batch 1 and 8 for each kernel variant (the GEMMs, their prologues, the KV
+    store fused into RoPE) of the AR engine and of DFlash at N = 15, one engine at a time
+    (random weights made again for each, so the greedy tokens compare only in shape)."""
     import gc
 
     from blockdraft.models import decoder
 
     rows = []
-    for name, max_rows, silu, norm in tqdm(ABLATION, "ablation"):
+    for engine, name, max_rows, silu, norm, kv_store in tqdm(ABLATION, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
         decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
-        llm = LLM(target, **kw)
+        decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
+        if engine == "AR":
+            llm = LLM(str(target), **kw)
+        else:
+            llm = dflash_llm(target, drafter, 15, None, accept, kw)
         step1 = mean_step_ms(llm, prompt, 1, steps)
         step8 = mean_step_ms(llm, prompt, 8, steps)
-        rows.append({"variant": name, "decode_ms_batch1": step1, "decode_ms_batch8": step8,
-                     "tok_s_batch1": 1e3 / step1})
+        rows.append(
+            {"engine": engine, "variant": name, "skinny_max_rows": max_rows,
+             "fuse_silu_mul": silu, "fuse_norm": norm, "fuse_kv_store": kv_store,
+             "step_ms_batch1": step1, "step_ms_batch8": step8}
+        )  # fmt: skip
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     print_table(
-        "decode step by GEMM variant (ms; tok/s = 1000 / batch-1 step)",
-        ["variant", "batch 1", "tok/s", "batch 8"],
-        [[r["variant"], r["decode_ms_batch1"], r["tok_s_batch1"], r["decode_ms_batch8"]]
-         for r in rows],
+        "step time by kernel variant (ms)",
+        ["engine", "variant", "batch 1", "batch 8"],
+        [[r["engine"], r["variant"], r["step_ms_batch1"], r["step_ms_batch8"]] for r in rows],
     )
     return rows
 
@@ -279,7 +295,8 @@ def main() -> None:
     p.add_argument(
         "--ablate",
         action="store_true",
-        help="only the decode step of each GEMM variant (cuBLAS, skinny, its prologues)",
+        help="only the decode step of each kernel variant (cuBLAS, skinny, its prologues, the "
+        "KV store in RoPE)",
     )
     p.add_argument(
         "--skinny-rows",
@@ -306,6 +323,13 @@ def main() -> None:
         help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
         "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
     )
+    p.add_argument(
+        "--fuse-kv-store",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the q/k norm + RoPE kernel also writes the keys and values into the paged cache "
+        "(decoder.FUSE_KV_STORE_INTO_ROPE)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
@@ -319,11 +343,14 @@ def main() -> None:
         decoder.FUSE_SILU_MUL_INTO_DOWN = args.fuse_silu_mul
     if args.fuse_norm is not None:
         decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
+    if args.fuse_kv_store is not None:
+        decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
+    results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "qwen3-8b"
     target.mkdir()
@@ -341,7 +368,7 @@ def main() -> None:
         max_num_seqs=max(args.concurrency + args.batches),
     )
     if args.ablate:
-        results["ablation"] = ablate(str(target), kw, prompt, args.steps)
+        results["ablation"] = ablate(target, drafter, kw, prompt, args.steps, args.accept)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return

@@ -32,7 +32,11 @@ from blockdraft.kernels.forward_context import (  # noqa: E402
     slots_for_positions,
 )
 from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
-from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch  # noqa: E402
+from blockdraft.kernels.rope import (  # noqa: E402
+    qk_norm_rope_store_torch,
+    qk_norm_rope_torch,
+    silu_mul_torch,
+)
 from blockdraft.kernels.triton_activation import triton_silu_mul  # noqa: E402
 from blockdraft.kernels.triton_attention import (  # noqa: E402
     choose_num_splits,
@@ -41,9 +45,13 @@ from blockdraft.kernels.triton_attention import (  # noqa: E402
 from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs  # noqa: E402
 from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
-from blockdraft.kernels.triton_rope import triton_qk_norm_rope  # noqa: E402
+from blockdraft.kernels.triton_rope import (  # noqa: E402
+    triton_qk_norm_rope,
+    triton_qk_norm_rope_store,
+)
 from blockdraft.layers.norm import RMSNorm  # noqa: E402
 from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
+from blockdraft.models import decoder  # noqa: E402
 from blockdraft.models.decoder import MLP, DecoderLayer, final_norm  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
@@ -438,6 +446,87 @@ def test_qk_norm_rope(
     torch.testing.assert_close(k_only, expected[1], **tolerance(dtype))
 
 
+# (head_dim, num_heads, num_kv_heads, block_h): GQA 3 over a partial head block, GQA 2 with
+# several key-head programs per token, MHA; head_dims 80 and 96 are no power of two.
+ROPE_STORE_SHAPES = [(80, 3, 1, 2), (96, 4, 2, 1), (16, 2, 2, None)]
+
+
+@pytest.mark.parametrize("shape", ROPE_STORE_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bh{}".format(*s))
+@pytest.mark.parametrize("num_tokens", [0, 1, 6])
+@pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm-rope"])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float32),  # a cache dtype other than the activations'
+    ],
+    ids=["fp32", "bf16", "fp16-fp32cache"],
+)
+def test_qk_norm_rope_store(
+    rng,
+    shape: tuple,
+    num_tokens: int,
+    with_norm: bool,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+) -> None:
+    """The fused norm + RoPE + KV store against its twin (rotation, then `store_kv`): the same
+    returned heads, and every slot a sequence can read the same in both caches."""
+    head_dim, num_heads, num_kv_heads, block_h = shape
+    block_size, num_blocks = 4, 4
+    rotary, query, key, positions, q_w, k_w = qk_case(
+        rng, num_tokens, num_heads, num_kv_heads, head_dim, dtype, with_norm
+    )
+    # The values: the third slice of the fused projection q and k come from (strided rows).
+    value = key.as_strided(key.shape, key.stride(), num_kv_heads * head_dim + key.storage_offset())
+    caches = (rotary.cos_cache, rotary.sin_cache)
+    # Distinct slots, the pool's last block reserved (the twin sends PAD rows there), and a
+    # third of the rows PAD.
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=rng)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=rng)[: num_tokens // 3]] = PAD_SLOT_ID
+    slots = slots.to(DEVICE)
+    shape_c = (num_blocks, block_size, num_kv_heads, head_dim)
+    # NaN everywhere: a slot the kernel misses, or a PAD row it writes, shows up.
+    key_cache = torch.full(shape_c, float("nan"), dtype=cache_dtype, device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    expected = qk_norm_rope_store_torch(
+        query, key, value, positions, *caches, q_w, k_w, 1e-6, expected_k, expected_v, slots
+    )
+    store = (key_cache, value_cache, slots)
+    got = triton_qk_norm_rope_store(
+        query, key, value, positions, *caches, q_w, k_w, 1e-6, *store, block_h=block_h
+    )
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == e.dtype
+        torch.testing.assert_close(g, e, **tolerance(dtype))
+    written = slots[slots >= 0]
+    for cache, twin in [(key_cache, expected_k), (value_cache, expected_v)]:
+        flat, flat_twin = cache.flatten(0, 1), twin.flatten(0, 1)
+        # The values are copied as they are (a cast at most); the keys within a rounding.
+        tol = tolerance(dtype) if cache is key_cache else dict(atol=0, rtol=0)
+        torch.testing.assert_close(flat[written], flat_twin[written], **tol)
+        unwritten = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+        unwritten[written] = False
+        assert flat[unwritten].isnan().all()  # PAD rows (and the reserved last slot) untouched
+    # The cache holds exactly the returned keys.
+    rows = slots >= 0
+    assert torch.equal(key_cache.flatten(0, 1)[written], got[1][rows].to(cache_dtype))
+    # Keys alone (the drafter's context K/V): the same keys and slots, no query.
+    key_cache.fill_(float("nan"))
+    value_cache.fill_(float("nan"))
+    q_none, k_only = triton_qk_norm_rope_store(
+        None, key, value, positions, *caches, None, k_w, 1e-6, *store
+    )
+    assert q_none is None
+    torch.testing.assert_close(k_only, expected[1], **tolerance(dtype))
+    torch.testing.assert_close(
+        key_cache.flatten(0, 1)[written], expected_k.flatten(0, 1)[written], **tolerance(dtype)
+    )
+    assert torch.equal(value_cache.flatten(0, 1)[written], expected_v.flatten(0, 1)[written])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_qk_norm_rope_matches_layers(rng, monkeypatch, dtype: torch.dtype) -> None:
     """The twin is bit-identical to the norm modules + the old rotate; the Triton path of the
@@ -524,8 +613,8 @@ def layer_stack(
         attention_bias=False,
         qk_norm=True,
     )
-    rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, None)
-    with torch.device(DEVICE):
+    with torch.device(DEVICE):  # the rotary tables too: the compiled kernels read them
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, None)
         layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(num_layers))
         final = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
     for name, p in [*layers.named_parameters(), *final.named_parameters(prefix="final")]:
@@ -598,6 +687,67 @@ def test_decoder_layers_fused_residual_norm(
         # bf16: another rounding of rstd (and, in the interpreter, truncating casts to bf16)
         # moves values by a bf16 ulp, which the following layers carry on.
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
+
+
+def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch) -> None:
+    """With FUSE_KV_STORE_INTO_ROPE, Qwen3 layers on the Triton path (fused q/k/v: strided
+    heads) store their keys and values from the RoPE kernel and attend without the store
+    kernel, and the drafter's context rows (`write_kv`) likewise: the same outputs and caches,
+    bit for bit, as the separate store."""
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    calls = {"store": 0, "rope+store": 0}
+
+    def counting_store(*args: object) -> None:
+        calls["store"] += 1
+        triton_store_kv(*args)
+
+    def counting_rope_store(*args: object, **kwargs: object) -> object:
+        calls["rope+store"] += 1
+        return triton_qk_norm_rope_store(*args, **kwargs)
+
+    monkeypatch.setattr("blockdraft.kernels.triton_kv_store.triton_store_kv", counting_store)
+    monkeypatch.setattr(
+        "blockdraft.kernels.triton_rope.triton_qk_norm_rope_store", counting_rope_store
+    )
+    layers, final = layer_stack(rng, torch.float32)
+    decoder.fuse_projections(layers)
+    # A prefill chunk, a decode row and a verify block over scattered pages.
+    starts, query_lens = [5, 9, 3], [3, 1, 4]
+    meta, key_cache, _ = paged_batch(rng, starts, query_lens, 4, 2, 16)
+    caches = [(randn(rng, *key_cache.shape), randn(rng, *key_cache.shape)) for _ in layers]
+    positions = torch.cat(
+        [torch.arange(s, s + n) for s, n in zip(starts, query_lens, strict=True)]
+    ).to(DEVICE)
+    x = randn(rng, sum(query_lens), 48)
+    # Context rows as the drafter writes them, one PAD among them, into slots the block
+    # forward does not touch (the pool's spare blocks but the last).
+    ctx_slots = torch.tensor([0, PAD_SLOT_ID, 2, 5], device=DEVICE)
+    ctx_slots[ctx_slots >= 0] += (key_cache.shape[0] - 3) * 4
+    ctx_positions = torch.tensor([7, 0, 8, 9], device=DEVICE)
+    ctx = randn(rng, 4, 48)
+
+    def run(fuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", fuse)
+        for layer, (k, v) in zip(layers, caches, strict=True):
+            layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache = k.clone(), v.clone()
+        with torch.inference_mode(), forward_context(meta):
+            h, residual = x, None
+            for layer in layers:
+                layer.self_attn.write_kv(ctx, ctx_positions, ctx_slots, counting_store)
+                h, residual = layer(h, positions, residual)
+            out = final_norm(final, h, residual)
+        attns = [layer.self_attn.attn for layer in layers]
+        return out, [c for a in attns for c in (a.key_cache, a.value_cache)]
+
+    expected, expected_caches = run(False)
+    assert calls == {"store": 2 * len(layers), "rope+store": 0}
+    calls.update(store=0)
+    got, got_caches = run(True)
+    assert calls == {"store": 0, "rope+store": 2 * len(layers)}
+    assert torch.equal(got, expected)
+    for g, e in zip(got_caches, expected_caches, strict=True):
+        # All but the pool's reserved last slot, where the torch store sends PAD rows.
+        assert_same_slots(g, e)
 
 
 # --- DFlash drafter inputs -----------------------------------------------------------------
@@ -732,6 +882,7 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_store_kv_backend(DEVICE) is store_kv
     assert select.get_rms_norm_backend(DEVICE) is rms_norm_torch
     assert select.get_rope_backend(DEVICE) is qk_norm_rope_torch
+    assert select.get_rope_store_backend(DEVICE) is qk_norm_rope_store_torch
     assert select.get_silu_mul_backend(DEVICE) is silu_mul_torch
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs_torch
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
@@ -739,6 +890,7 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
     assert select.get_rms_norm_backend(DEVICE) is triton_rms_norm
     assert select.get_rope_backend(DEVICE) is triton_qk_norm_rope
+    assert select.get_rope_store_backend(DEVICE) is triton_qk_norm_rope_store
     assert select.get_silu_mul_backend(DEVICE) is triton_silu_mul
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
@@ -831,12 +983,20 @@ def test_engine_greedy_same_with_triton_kernels(
         calls["rope" if args[0] is not None else "rope keys only"] += 1
         return triton_qk_norm_rope(*args, **kwargs)
 
+    def counting_rope_store(*args: object, **kwargs: object) -> object:
+        # decoder.FUSE_KV_STORE_INTO_ROPE: the same norm + RoPE, storing K/V as it goes
+        calls["rope" if args[0] is not None else "rope keys only"] += 1
+        return triton_qk_norm_rope_store(*args, **kwargs)
+
     def counting_silu_mul(*args: object, **kwargs: object) -> torch.Tensor:
         calls["silu"] += 1
         return triton_silu_mul(*args, **kwargs)
 
     monkeypatch.setattr("blockdraft.kernels.triton_rmsnorm.triton_rms_norm", counting_norm)
     monkeypatch.setattr("blockdraft.kernels.triton_rope.triton_qk_norm_rope", counting_rope)
+    monkeypatch.setattr(
+        "blockdraft.kernels.triton_rope.triton_qk_norm_rope_store", counting_rope_store
+    )
     monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
     got = generate("triton")
     # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE,

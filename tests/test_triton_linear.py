@@ -466,6 +466,8 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
         p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
     lm = lm.to(dtype).requires_grad_(False)
     decoder.fuse_projections(lm)
+    # The stub replaces the paged cache, so K/V take the separate store (the stub's no-op).
+    monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", False)
     for layer in lm.model.layers:
         layer.self_attn.attn = StubAttention()
     # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the

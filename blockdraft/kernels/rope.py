@@ -1,5 +1,5 @@
-"""Pure-torch twins of the per-layer elementwise kernels: q/k RMSNorm + rotary embedding, and
-the MLP's SiLU-and-multiply.
+"""Pure-torch twins of the per-layer elementwise kernels: q/k RMSNorm + rotary embedding (also
+with the KV store after it), and the MLP's SiLU-and-multiply.
 
 The specification of the Triton kernels in `triton_rope` and `triton_activation`, and what the
 layers run off the Triton path (CPU, training). They live apart from the kernels because
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from blockdraft.kernels.paged_attention import store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 
 
@@ -58,6 +59,30 @@ def qk_norm_rope_torch(
     if query is not None:
         query = norm_rope_torch(query, positions, cos_cache, sin_cache, q_norm_weight, eps)
     key = norm_rope_torch(key, positions, cos_cache, sin_cache, k_norm_weight, eps)
+    return query, key
+
+
+def qk_norm_rope_store_torch(
+    query: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None,  # [head_dim]
+    eps: float,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, PAD_SLOT_ID: see store_kv
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key), shapes as given
+    """`qk_norm_rope_torch`, then the rotated keys and the values as given stored at
+    slot_mapping by `store_kv`. PAD rows wrap around into the pool's reserved last slot there,
+    where the Triton kernel writes nothing: every slot a sequence can read ends up the same."""
+    query, key = qk_norm_rope_torch(
+        query, key, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, eps
+    )
+    store_kv(key, value, key_cache, value_cache, slot_mapping)
     return query, key
 
 

@@ -1,9 +1,9 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding, the MLP's SiLU-and-multiply, the few-row linears, the DFlash
-drafter's input preparation and its training loss (LM head + cross-entropy) (unset or "auto":
-Triton on CUDA when it imports, torch otherwise).
+q/k norm + rotary embedding (also with the KV store fused in), the MLP's SiLU-and-multiply,
+the few-row linears, the DFlash drafter's input preparation and its training loss (LM head +
+cross-entropy) (unset or "auto": Triton on CUDA when it imports, torch otherwise).
 Triton on a CPU tensor only runs under its interpreter, which reads TRITON_INTERPRET=1 when
 triton is first imported: so this module imports the Triton kernels lazily, on the first call
 that wants them.
@@ -30,7 +30,7 @@ from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
-from blockdraft.kernels.rope import qk_norm_rope_torch, silu_mul_torch
+from blockdraft.kernels.rope import qk_norm_rope_store_torch, qk_norm_rope_torch, silu_mul_torch
 
 AttentionFn = Callable[..., torch.Tensor]
 StoreKVFn = Callable[..., None]
@@ -132,6 +132,18 @@ def get_rope_backend(device: torch.device | str | None = None) -> RopeFn:
     return qk_norm_rope_torch
 
 
+def get_rope_store_backend(device: torch.device | str | None = None) -> RopeFn:
+    """`fn(query | None, key, value, positions, cos_cache, sin_cache, q_norm_weight,
+    k_norm_weight, eps, key_cache, value_cache, slot_mapping) -> (query, key)`: the rope
+    backend's work, then the rotated keys and the values stored at slot_mapping as by the store
+    backend, in one kernel on the Triton path; same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_rope
+
+        return triton_rope.triton_qk_norm_rope_store
+    return qk_norm_rope_store_torch
+
+
 def get_silu_mul_backend(device: torch.device | str | None = None) -> SiluMulFn:
     """`fn(gate, up) -> silu(gate) * up`, same switch."""
     if use_triton(device):
@@ -162,4 +174,3 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
 
         return triton_linear.skinny_linear
     return skinny_linear_torch
-

@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.rope import qk_norm_rope_torch, rope_torch
-from blockdraft.kernels.select import PerDevice, get_rope_backend, needs_autograd
+from blockdraft.kernels.select import (
+    PerDevice,
+    get_rope_backend,
+    get_rope_store_backend,
+    needs_autograd,
+)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -49,6 +54,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, D/2]
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._backend = PerDevice(get_rope_backend)  # Triton on CUDA, else torch
+        self._store_backend = PerDevice(get_rope_store_backend)
 
     def forward(
         self,
@@ -66,6 +72,37 @@ class RotaryEmbedding(nn.Module):
             fn = self._backend(key.device)
         return fn(
             query, key, positions, self.cos_cache, self.sin_cache, q_norm_weight, k_norm_weight, eps
+        )
+
+    def forward_store(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        query: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, PAD_SLOT_ID rows write nothing
+        q_norm_weight: torch.Tensor | None = None,  # [head_dim]; None: no q/k norm
+        k_norm_weight: torch.Tensor | None = None,  # [head_dim]
+        eps: float = 1e-6,  # of the q/k norms
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key)
+        """`forward`, and the rotated keys and the values stored in the paged cache at
+        slot_mapping by the same kernel on the Triton path. Inference only: the caches take no
+        gradient, so training keeps `forward` and a separate store."""
+        return self._store_backend(key.device)(
+            query,
+            key,
+            value,
+            positions,
+            self.cos_cache,
+            self.sin_cache,
+            q_norm_weight,
+            k_norm_weight,
+            eps,
+            key_cache,
+            value_cache,
+            slot_mapping,
         )
 
     def rotate(

@@ -137,7 +137,8 @@ class DFlashDrafter(nn.Module):
         # Shared with the target (and frozen) unless the checkpoint ships its own.
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
-        self._store_kv = PerDevice(get_store_kv_backend)  # the kernel the layers use
+        # The kernel the layers use (unless the RoPE kernel stores: FUSE_KV_STORE_INTO_ROPE).
+        self._store_kv = PerDevice(get_store_kv_backend)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -152,9 +153,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(features))
         store_kv = self._store_kv(features.device)
         for layer in self.layers:
-            attn = layer.self_attn
-            key, value = attn.project_kv(ctx, positions)
-            store_kv(key, value, attn.attn.key_cache, attn.attn.value_cache, slot_mapping)
+            layer.self_attn.write_kv(ctx, positions, slot_mapping, store_kv)
 
     def forward(
         self,
