@@ -158,9 +158,18 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
         target = make_predictable_target(tmp_path / "target", num_layers=6)
     else:
         target = make_qwen3_checkpoint(tmp_path / "target", num_layers=6)
-    drafter = make_dflash_drafter(
-        tmp_path / "drafter", target, block_size=8, seed=seed, **ZLAB_CASES[kind]
-    )
+    prompt = torch.randint(4, 64, (21,), generator=rng).tolist()
+    max_new = 30
+    for attempt in range(5):
+        drafter = make_dflash_drafter(
+            tmp_path / f"drafter{attempt}", target, block_size=8, seed=seed + attempt,
+            **ZLAB_CASES[kind],
+        )
+        ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
+        # A drafter whose wrong drafts all miss this short run accepts every block whole:
+        # take the next seed (each misses with a probability of a few percent).
+        if kind != "varying-acceptance" or len(set(ref_lengths[:-1])) > 1:
+            break
     if kind in CONFIG_PATCHES:
         import json
 
@@ -169,7 +178,6 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
         cfg["dflash_config"].update(patch["dflash_config"])
         cfg.update({k: v for k, v in patch.items() if k != "dflash_config"})
         (drafter / "config.json").write_text(json.dumps(cfg))
-    prompt = torch.randint(4, 64, (21,), generator=rng).tolist()
     # Drafter logits of the first step, computed by z-lab's DFlashDraftModel.
     ref_logits = zlab_first_draft_logits(target, drafter, prompt)
     llm = LLM(str(target), speculative_config=spec(drafter, None), block_size=4)
@@ -177,12 +185,12 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     proposer = llm.engine.proposer
     original = proposer.drafter.compute_logits
     proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
-    max_new = 30
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     rel = (seen[0] - ref_logits).abs().max() / ref_logits.abs().max()
     assert rel < 1e-4
-    ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
+    if kind in CONFIG_PATCHES:  # the reference ran before the patch
+        ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
     assert out.outputs[0].token_ids == ref_tokens
     full_steps = zlab_full_block_steps(ref_lengths, max_new, block_size=8)
     assert full_steps >= 3
