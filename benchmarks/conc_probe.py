@@ -9,16 +9,14 @@ Runs the default draft schedule and fixed N = 7 (block 8), synthetic acceptance 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import now, print_table, write_dummy_drafter  # noqa: E402
-from benchmarks.gpu_bench import QWEN3_8B, dflash_llm  # noqa: E402
+from benchmarks.common import now, print_table  # noqa: E402
+from benchmarks.gpu_bench import dflash_llm, qwen3_8b_dirs  # noqa: E402
 from blockdraft import SamplingParams  # noqa: E402
 
 
@@ -51,11 +49,7 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--accept", type=float, default=0.86)
     args = p.parse_args()
-    tmp = Path(tempfile.mkdtemp())
-    target = tmp / "qwen3-8b"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(QWEN3_8B))
-    drafter = write_dummy_drafter(tmp / "drafter", QWEN3_8B, num_layers=5, with_weights=False)
+    target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
     kw = dict(
         load_format="dummy",

@@ -47,6 +47,17 @@ QWEN3_8B = {
 }
 
 
+def qwen3_8b_dirs() -> tuple[Path, Path]:
+    """A temporary Qwen3-8B directory (config only: `load_format="dummy"`) and a 5-layer
+    DFlash drafter for it (config only too)."""
+    tmp = Path(tempfile.mkdtemp())
+    target = tmp / "qwen3-8b"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(QWEN3_8B))
+    drafter = write_dummy_drafter(tmp / "drafter", QWEN3_8B, num_layers=5, with_weights=False)
+    return target, drafter
+
+
 def load_skinny_configs(path: str) -> None:
     """Replaces the skinny GEMM's default launch table with the measured best configs."""
     from blockdraft.kernels import triton_linear
@@ -351,11 +362,7 @@ def main() -> None:
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
-    tmp = Path(tempfile.mkdtemp())
-    target = tmp / "qwen3-8b"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(QWEN3_8B))
-    drafter = write_dummy_drafter(tmp / "drafter", QWEN3_8B, num_layers=5, with_weights=False)
+    target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 
     bandwidth = copy_bandwidth()
