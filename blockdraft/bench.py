@@ -89,6 +89,13 @@ def run_bench(
 ) -> list[SetResult]:
     results = []
     jobs = [(name, t) for name in prompt_sets for t in temperatures]
+    # One untimed request per engine and temperature first: the first pass over a path
+    # compiles its kernels (Triton, on a GPU), which would otherwise land in the first set.
+    first = next((ps[0] for ps in prompt_sets.values() if ps), None)
+    for temperature in temperatures if first is not None else []:
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
+        for llm in (ar, dflash):
+            _run(llm, [first], params)
     for name, temperature in tqdm(jobs, desc="bench"):
         prompts = prompt_sets[name]
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
