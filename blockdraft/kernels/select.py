@@ -2,8 +2,9 @@
 
 BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
 q/k norm + rotary embedding (also with the KV store fused in), the MLP's SiLU-and-multiply,
-the few-row linears, the DFlash drafter's input preparation and its training loss (LM head +
-cross-entropy) (unset or "auto": Triton on CUDA when it imports, torch otherwise).
+the few-row linears, the DFlash drafter's input preparation, its training loss (LM head +
+cross-entropy), and the sampler's hashed uniforms and exponential race (unset or "auto": Triton
+on CUDA when it imports, torch otherwise).
 Triton on a CPU tensor only runs under its interpreter, which reads TRITON_INTERPRET=1 when
 triton is first imported: so this module imports the Triton kernels lazily, on the first call
 that wants them.
@@ -11,9 +12,10 @@ that wants them.
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
 tensors (a handful of tiny launches, free under CUDA graphs), while the vocabulary-wide work
-(filtering, residual, exponential race) stays in the sampler's torch code. A kernel taking a
-"pre-sampled recovered token per row" would even cost more: it needs the residual sampled at
-all N+1 rows instead of only at the first rejection.
+(filtering, residual) stays in the sampler's torch code; only its random numbers and the
+exponential race have kernels (get_hashed_uniform_backend, get_exponential_race_backend). A
+kernel taking a "pre-sampled recovered token per row" would even cost more: it needs the
+residual sampled at all N+1 rows instead of only at the first rejection.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 from blockdraft.kernels.rope import qk_norm_rope_store_torch, qk_norm_rope_torch, silu_mul_torch
+from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform
 
 AttentionFn = Callable[..., torch.Tensor]
 StoreKVFn = Callable[..., None]
@@ -39,6 +42,8 @@ RopeFn = Callable[..., tuple[torch.Tensor | None, torch.Tensor]]
 SiluMulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 DFlashInputsFn = Callable[..., object]
 LinearFn = Callable[..., torch.Tensor]
+HashedUniformFn = Callable[..., torch.Tensor]
+RaceFn = Callable[..., torch.Tensor]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
 
@@ -174,3 +179,25 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
 
         return triton_linear.skinny_linear
     return skinny_linear_torch
+
+
+def get_hashed_uniform_backend(device: torch.device | str | None = None) -> HashedUniformFn:
+    """`fn(seed, position, salt, width=None) -> [R] | [R, width] float32`, the counter-based
+    uniforms of `blockdraft.kernels.sampling.hashed_uniform`, bit for bit; same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_sampling
+
+        return triton_sampling.triton_hashed_uniform
+    return hashed_uniform
+
+
+def get_exponential_race_backend(device: torch.device | str | None = None) -> RaceFn:
+    """`fn(probs, seed, position, salt) -> [R] int64`, `argmax(probs / -log(u))` with u the
+    hashed uniforms of width V (lowest index on ties); same switch. The Triton kernel's log may
+    differ from torch's by an ulp, so a near-exact tie between the top two scores can resolve
+    the other way."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_sampling
+
+        return triton_sampling.triton_exponential_race
+    return exponential_race_torch

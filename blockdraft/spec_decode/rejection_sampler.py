@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.layers.sampler import (
-    SamplingTensors,
-    hashed_uniform,
-    sample_from_probs,
-    sampling_probs,
-)
+from blockdraft.kernels.select import get_hashed_uniform_backend
+from blockdraft.layers.sampler import SamplingTensors, sample_from_probs, sampling_probs
 
 # 0 is the plain decode path's default salt (blockdraft.layers.sampler.sample).
 SALT_DRAFT = 0x0D5AF7
@@ -80,6 +76,7 @@ def rejection_sample(
     else:
         q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1).float()
     st_drafts = st.repeat_interleave(n)
+    hashed_uniform = get_hashed_uniform_backend(device)
     u = hashed_uniform(st_drafts.seed, st_drafts.position, SALT_ACCEPT).view(num_rows, n)
     # u < p/q written multiplicatively so q == 0 cannot divide by zero; u < 1 makes the
     # min(1, .) clip implicit.
