@@ -46,6 +46,10 @@ HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
 
 ENV_VAR = "BLOCKDRAFT_ATTENTION"
+# The sampler's kernels (hashed uniforms, exponential race) under "auto" on CUDA: off until they
+# have run on a GPU (bit-exact to their twins under the interpreter, compiled for sm_90 only).
+# Forcing BLOCKDRAFT_ATTENTION=triton uses them regardless.
+TRITON_SAMPLER_ON_CUDA = False
 
 Fn = TypeVar("Fn")
 
@@ -78,6 +82,10 @@ def triton_available() -> bool:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _forced_triton() -> bool:
+    return os.environ.get(ENV_VAR, "auto").strip().lower() == "triton"
 
 
 def use_triton(device: torch.device | str | None = None) -> bool:
@@ -184,7 +192,7 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
 def get_hashed_uniform_backend(device: torch.device | str | None = None) -> HashedUniformFn:
     """`fn(seed, position, salt, width=None) -> [R] | [R, width] float32`, the counter-based
     uniforms of `blockdraft.kernels.sampling.hashed_uniform`, bit for bit; same switch."""
-    if use_triton(device):
+    if use_triton(device) and (TRITON_SAMPLER_ON_CUDA or _forced_triton()):
         from blockdraft.kernels import triton_sampling
 
         return triton_sampling.triton_hashed_uniform
@@ -196,7 +204,7 @@ def get_exponential_race_backend(device: torch.device | str | None = None) -> Ra
     hashed uniforms of width V (lowest index on ties); same switch. The Triton kernel's log may
     differ from torch's by an ulp, so a near-exact tie between the top two scores can resolve
     the other way."""
-    if use_triton(device):
+    if use_triton(device) and (TRITON_SAMPLER_ON_CUDA or _forced_triton()):
         from blockdraft.kernels import triton_sampling
 
         return triton_sampling.triton_exponential_race
