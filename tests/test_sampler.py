@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 import torch
 
+from blockdraft.kernels.sampling import _bits_to_uniform, hashed_uniform
 from blockdraft.layers.sampler import (
     SamplingTensors,
-    _bits_to_uniform,
-    hashed_uniform,
     sample,
     sample_from_probs,
     sampling_probs,

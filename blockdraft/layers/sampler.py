@@ -3,9 +3,9 @@
 Randomness comes from a counter-based hash of (seed, position, salt, column) rather
 than from torch.Generator objects, so a seeded request draws the same token no
 matter which other requests share its batch or in which row it sits, and the whole
-thing runs with no host synchronisation. The hash (`blockdraft.kernels.sampling`, the
-specification) and the exponential race over it are one Triton kernel each on the GPU, chosen
-per call by `blockdraft.kernels.select` (a cheap environment lookup).
+thing runs with no host synchronisation. The hash and the exponential race over it are
+specified in `blockdraft.kernels.sampling`, with Triton twins (`kernels.triton_sampling`, one
+launch instead of ~85) chosen per call by `blockdraft.kernels.select`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from blockdraft.kernels.sampling import _bits_to_uniform as _bits_to_uniform  # re-export
-from blockdraft.kernels.sampling import hashed_uniform as hashed_uniform  # the specification
 from blockdraft.kernels.select import get_exponential_race_backend
 
 
