@@ -141,11 +141,11 @@ ABLATION = [
     ("AR", "+ RMSNorm prologue", 2, False, True, False),
     ("AR", "+ both prologues", 2, True, True, False),
     ("AR", "+ KV store in RoPE", 2, True, True, True),
-    ("AR", "all, skinny <= 16 rows", 16, True, True, True),
+    ("AR", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True),
     ("DFlash", "cuBLAS", 0, False, False, False),
     ("DFlash", "skinny <= 2 rows, prologues", 2, True, True, False),
     ("DFlash", "+ KV store in RoPE", 2, True, True, True),
-    ("DFlash", "all, skinny <= 16 rows", 16, True, True, True),
+    ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True),
 ]
 
 

@@ -315,7 +315,7 @@ def test_skinny_linear_silu_mul_input_errors(rng) -> None:
 def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
     """With FUSE_SILU_MUL_INTO_DOWN, an MLP with fused projections runs its down projection
     on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
-    SKINNY_MAX_ROWS rows, bit for bit the unfused output; past that, or with the flag off,
+    PROLOGUE_MAX_ROWS rows, bit for bit the unfused output; past that, or with the flag off,
     nothing changes."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
@@ -340,7 +340,7 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
         return silu_mul(device)
 
     mlp._silu_mul = counting_silu_mul
-    for rows in [1, 2, 3]:
+    for rows in [1, 2, 3, 5]:
         x = randn(rng, rows, 24)
         with torch.no_grad():
             monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", False)
@@ -443,12 +443,13 @@ class StubAttention(nn.Module):
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: torch.dtype) -> None:
     """With FUSE_NORM_INTO_SKINNY, a Qwen3-style model (q/k norms) with fused projections runs
-    each layer's two add + norms in the q/k/v and gate/up GEMMs for up to SKINNY_MAX_ROWS rows,
+    each layer's two add + norms in the q/k/v and gate/up GEMMs for up to PROLOGUE_MAX_ROWS rows,
     bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
     sum the residual stream); past that, or with the flag off, nothing changes."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 2)
+    # Skinny up to 4 rows, its prologues up to PROLOGUE_MAX_ROWS (2) only.
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 4)
     calls = []
 
     def counting(device: torch.device):
@@ -473,7 +474,7 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
     # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
     # stream so that layer 2 starts afresh.
     lm.capture_layer_ids = (1,)
-    for rows in [1, 2, 3]:
+    for rows in [1, 2, 3, 5]:
         ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
         positions = torch.arange(rows, device=DEVICE)
         monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", False)
@@ -481,8 +482,10 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
         monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", fuse)
         calls.clear()
         got = lm(ids, positions)
-        if rows > 2:
+        if rows > 4:
             assert calls == []
+        elif rows > decoder.PROLOGUE_MAX_ROWS:  # skinny, without prologues
+            assert calls == ["linear"] * 12
         elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
             assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3
         else:

@@ -45,6 +45,9 @@ FUSE_NORM_INTO_SKINNY = True
 # the store kernel's launch (one per layer). On the H200 (gpu_bench.py --ablate): the batch-1
 # DFlash N = 15 step 6.38 -> 6.27 ms, the decode step unchanged.
 FUSE_KV_STORE_INTO_ROPE = True
+# The two prologues above run for at most this many rows even where SKINNY_MAX_ROWS is larger:
+# at 16 rows (a batch-1 verify) the prologue path doubled the H200's step (gpu_bench --ablate).
+PROLOGUE_MAX_ROWS = 2
 
 
 def skinny(
@@ -57,6 +60,14 @@ def skinny(
         and x.shape[:-1].numel() <= SKINNY_MAX_ROWS
         and not needs_autograd(x, *params)
     )
+
+
+def prologue_fits(
+    x: torch.Tensor,  # [num_tokens, in_features]
+    *params: torch.Tensor | None,
+) -> bool:
+    """Whether the skinny GEMM of x may also form its input in its loads (a prologue)."""
+    return x.shape[:-1].numel() <= PROLOGUE_MAX_ROWS and skinny(x, *params)
 
 
 def linear(
@@ -225,7 +236,7 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """The rest of `forward` after the fused gate/up projection."""
         down = self.down_proj
-        if FUSE_SILU_MUL_INTO_DOWN and skinny(gate_up, down.weight, down.bias):
+        if FUSE_SILU_MUL_INTO_DOWN and prologue_fits(gate_up, down.weight, down.bias):
             return get_linear_backend(gate_up.device)(
                 gate_up, down.weight, down.bias, silu_mul_input=True
             )
@@ -295,7 +306,7 @@ class DecoderLayer(nn.Module):
         dtypes = {x.dtype, *(w.dtype for w in norms)}
         if residual is not None:
             dtypes.add(residual.dtype)
-        return len(dtypes) == 1 and skinny(x, residual, *qkv, *gate_up, *norms)
+        return len(dtypes) == 1 and prologue_fits(x, residual, *qkv, *gate_up, *norms)
 
 
 def _norm_linear(
