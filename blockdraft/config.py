@@ -72,8 +72,15 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
     enforce_eager: bool = False  # True: no CUDA graphs on GPU
     speculative_config: SpeculativeConfig | dict | None = None
+    # True: plain decode steps are pipelined ("async scheduling"): step t+1 is launched before
+    # step t is read back, its input ids taken on the device from step t's sampled tokens, so
+    # the host's bookkeeping overlaps the GPU's work. Same outputs as False; steps that are not
+    # plain decode of an unchanged batch run as usual. No effect with speculative_config.
+    async_decode: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.async_decode, bool):
+            raise ValueError(f"async_decode must be True or False, got {self.async_decode!r}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         try:

@@ -18,7 +18,8 @@ Prompt = str | list[int]
 class LLM:
     """`LLM(model=..., speculative_config={"method": "dflash", "model": DRAFT})`.
 
-    With no `model`, the embedded SmolLM2-135M-Instruct is used.
+    With no `model`, the embedded SmolLM2-135M-Instruct is used. Other keyword arguments are
+    EngineConfig fields (blockdraft/config.py), e.g. `async_decode=True`.
     """
 
     def __init__(

@@ -11,12 +11,24 @@ from pathlib import Path
 import torch
 
 from blockdraft.config import EngineConfig
+from blockdraft.engine.async_decode import (
+    InflightDecode,
+    plan_decode_ahead,
+    reserve_blocks,
+    return_blocks_of_finished,
+)
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
-from blockdraft.engine.draft_launcher import DraftLauncher, run_drafter_block
-from blockdraft.engine.model_runner import ModelRunner, allocate_kv_cache, kv_bytes_per_block
+from blockdraft.engine.draft_launcher import DraftLauncher, LaunchedDrafts, run_drafter_block
+from blockdraft.engine.model_runner import (
+    LaunchedStep,
+    ModelRunner,
+    StepOutput,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
 from blockdraft.engine.output_processor import OutputProcessor
-from blockdraft.engine.scheduler import Scheduler
+from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.models.decoder import DecoderLM, fuse_projections
@@ -152,6 +164,8 @@ class LLMEngine:
         # Streaming needs the text of running requests every step; offline generation reads it
         # only when a request finishes (stop strings are checked either way).
         self.detokenize_running = True
+        # async_decode: the decode step launched ahead and not read back yet (see async_decode).
+        self._inflight: InflightDecode | None = None
         self.load_time_s = time.perf_counter() - t0
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
@@ -268,9 +282,11 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+            if self._inflight is not None:  # its row there is discarded when read back
+                self._drop_finished_inflight_rows()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -285,6 +301,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the state of every request that got new tokens or
         finished (finished ones are forgotten afterwards)."""
+        if self.config.async_decode and self.draft_launcher is None:
+            return self._async_decode_step()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -297,6 +315,13 @@ class LLMEngine:
             num_drafts = self.draft_schedule.num_drafts(self.num_running)
             drafts = self.draft_launcher.launch(launched, num_drafts)
         result = self.runner.finish(launched)  # the step's one device-to-host read
+        return self._process_step(chunks, result, drafts)
+
+    def _process_step(
+        self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None
+    ) -> list[RequestOutput]:
+        """Appends a read-back step's tokens, finishes the requests that stop, and returns
+        the outputs of the requests it touched."""
         touched: list[Sequence] = []
         for chunk, tokens, accepted in zip(
             chunks, result.new_tokens, result.num_accepted, strict=True
@@ -333,3 +358,47 @@ class LLMEngine:
                 self.output_processor.update_text(seq)
             outputs.append(OutputProcessor.make_output(seq))
         return outputs
+
+    # -- async decode (EngineConfig.async_decode; see blockdraft/engine/async_decode.py) -----
+    def _async_decode_step(self) -> list[RequestOutput]:
+        """`step` with plain decode pipelined: reads back the step launched ahead last call (or
+        launches a scheduled one), first launching the next decode step when it is known."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            launched = inflight.launched
+        else:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return []
+            launched = self.runner.launch(chunks)
+        self._inflight = self._launch_decode_ahead(launched)
+        result = self.runner.finish(launched)  # still the step's one device-to-host read
+        # Rows of requests that stopped or were aborted after this step was launched ahead.
+        live = [i for i, c in enumerate(launched.chunks) if not c.seq.is_finished]
+        outputs = self._process_step(
+            [launched.chunks[i] for i in live],
+            StepOutput(
+                [result.new_tokens[i] for i in live], [result.num_accepted[i] for i in live]
+            ),
+            None,
+        )
+        if self._inflight is not None:
+            self._drop_finished_inflight_rows()
+        return outputs
+
+    def _launch_decode_ahead(self, launched: LaunchedStep) -> InflightDecode | None:
+        """Launches the decode step after `launched`, or None (drain) when it is not known."""
+        chunks = plan_decode_ahead(launched, self.scheduler, self.max_model_len)
+        if chunks is None:
+            return None
+        new_blocks = reserve_blocks(self.block_manager, [c.seq for c in chunks])
+        if new_blocks is None:
+            return None
+        return InflightDecode(self.runner.launch_decode_ahead(chunks, launched), new_blocks)
+
+    def _drop_finished_inflight_rows(self) -> None:
+        """Gives back the blocks of the in-flight rows of requests that finished; forgets the
+        in-flight step when no row is left (its queued work needs no readback)."""
+        return_blocks_of_finished(self._inflight, self.block_manager)
+        if not self._inflight.has_live_rows:
+            self._inflight = None

@@ -288,6 +288,36 @@ class ModelRunner:
             ready,
         )
 
+    @torch.inference_mode()
+    def launch_decode_ahead(
+        self, chunks: list[ScheduledChunk], previous: LaunchedStep
+    ) -> LaunchedStep:
+        """Async decode: queues the decode step after `previous` before `previous` is read back.
+        Chunk i is one row at position `start`, where previous's chunk i samples its token: the
+        row's input id is that token, taken from `previous.sampled` on the device (written over
+        the placeholder id). The token is not on the host yet, so the sampling position (the
+        seeded sampler hashes it) is start + 1, not seq.num_tokens as in `_sample`."""
+        n = len(chunks)
+        rows, positions = int64_tensors(self.device, list(range(n)), [c.start + 1 for c in chunks])
+        hidden, features = run_forward(
+            self.model,
+            self.graphs,
+            [c.token_ids for c in chunks],
+            [c.start for c in chunks],
+            [c.seq.block_table for c in chunks],
+            self.block_size,
+            self.device,
+            (rows, previous.sampled),
+        )
+        st = self.sampling.get([c.seq for c in chunks], positions)
+        sampled = sample(self.model.compute_logits(hidden[rows]), st)
+        readback, ready = start_readback(sampled)
+        every = list(range(n))
+        return LaunchedStep(
+            chunks, [i + 1 for i in every], every, [], sampled, None, None, features, readback,
+            ready,
+        )
+
     def finish(self, step: LaunchedStep) -> StepOutput:
         """The step's one device-to-host read (one sync), for decode and verify alike."""
         chunks, decode, verify = step.chunks, step.decode, step.verify
