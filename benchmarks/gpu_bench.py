@@ -341,6 +341,11 @@ def main() -> None:
         help="the q/k norm + RoPE kernel also writes the keys and values into the paged cache "
         "(decoder.FUSE_KV_STORE_INTO_ROPE)",
     )
+    p.add_argument(
+        "--async-decode",
+        action="store_true",
+        help="launch each plain decode step before reading the last one back (async_decode)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
@@ -358,6 +363,7 @@ def main() -> None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
+    results["async_decode"] = args.async_decode
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
@@ -373,6 +379,7 @@ def main() -> None:
         load_format="dummy",
         max_model_len=args.prompt_len + args.new_tokens + 64,
         max_num_seqs=max(args.concurrency + args.batches),
+        async_decode=args.async_decode,
     )
     if args.ablate:
         results["ablation"] = ablate(target, drafter, kw, prompt, args.steps, args.accept)
