@@ -258,15 +258,8 @@ class ModelRunner:
         prepared = None
         if verify:
             prepared = self._prepare_verify([chunks[i] for i in verify], [ends[i] for i in verify])
-        hidden, features = run_forward(
-            self.model,
-            self.graphs,
-            [c.token_ids for c in chunks],
-            [c.start for c in chunks],
-            [c.seq.block_table for c in chunks],
-            self.block_size,
-            self.device,
-            None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten()),
+        hidden, features = self._forward(
+            chunks, None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten())
         )
         sampled = verify_tokens = num_accepted = None
         if decode:
@@ -299,16 +292,7 @@ class ModelRunner:
         seeded sampler hashes it) is start + 1, not seq.num_tokens as in `_sample`."""
         n = len(chunks)
         rows, positions = int64_tensors(self.device, list(range(n)), [c.start + 1 for c in chunks])
-        hidden, features = run_forward(
-            self.model,
-            self.graphs,
-            [c.token_ids for c in chunks],
-            [c.start for c in chunks],
-            [c.seq.block_table for c in chunks],
-            self.block_size,
-            self.device,
-            (rows, previous.sampled),
-        )
+        hidden, features = self._forward(chunks, (rows, previous.sampled))
         st = self.sampling.get([c.seq for c in chunks], positions)
         sampled = sample(self.model.compute_logits(hidden[rows]), st)
         readback, ready = start_readback(sampled)
@@ -316,6 +300,24 @@ class ModelRunner:
         return LaunchedStep(
             chunks, [i + 1 for i in every], every, [], sampled, None, None, features, readback,
             ready,
+        )
+
+    def _forward(
+        self,
+        chunks: list[ScheduledChunk],
+        device_ids: tuple[torch.Tensor, torch.Tensor] | None,  # rows [D], ids [D] int64
+    ) -> object:
+        """The target forward over the chunks' rows (`run_forward`), with `device_ids` written
+        over placeholder ids that only the device holds."""
+        return run_forward(
+            self.model,
+            self.graphs,
+            [c.token_ids for c in chunks],
+            [c.start for c in chunks],
+            [c.seq.block_table for c in chunks],
+            self.block_size,
+            self.device,
+            device_ids,
         )
 
     def finish(self, step: LaunchedStep) -> StepOutput:
