@@ -112,9 +112,13 @@ def decode_tok_s(
     return statistics.median(rates)
 
 
-def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
+def mean_step_ms(
+    llm: LLM, prompt: list[int], batch: int, steps: int, temperature: float = 0.0
+) -> float:
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
+    params = SamplingParams(
+        temperature=temperature, seed=0, max_tokens=100_000, ignore_eos=True
+    )
     for i in range(batch):
         engine.add_request(f"probe{i}", prompt, params)
     while engine.num_waiting or any(
@@ -133,51 +137,71 @@ def mean_step_ms(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
 
 
 # (engine, name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY,
-#  FUSE_KV_STORE_INTO_ROPE); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
+#  FUSE_KV_STORE_INTO_ROPE, extra); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
+# extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
+# "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA).
 ABLATION = [
-    ("AR", "cuBLAS", 0, False, False, False),
-    ("AR", "skinny <= 2 rows", 2, False, False, False),
-    ("AR", "+ SiLU·mul prologue", 2, True, False, False),
-    ("AR", "+ RMSNorm prologue", 2, False, True, False),
-    ("AR", "+ both prologues", 2, True, True, False),
-    ("AR", "+ KV store in RoPE", 2, True, True, True),
-    ("AR", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True),
-    ("DFlash", "cuBLAS", 0, False, False, False),
-    ("DFlash", "skinny <= 2 rows, prologues", 2, True, True, False),
-    ("DFlash", "+ KV store in RoPE", 2, True, True, True),
-    ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True),
+    ("AR", "cuBLAS", 0, False, False, False, ""),
+    ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
+    ("AR", "+ SiLU·mul prologue", 2, True, False, False, ""),
+    ("AR", "+ RMSNorm prologue", 2, False, True, False, ""),
+    ("AR", "+ both prologues", 2, True, True, False, ""),
+    ("AR", "+ KV store in RoPE", 2, True, True, True, ""),
+    ("AR", "+ async decode", 2, True, True, True, "async"),
+    ("AR", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
+    ("AR", "T = 1, torch sampler", 2, True, True, True, "t1"),
+    ("AR", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
+    ("DFlash", "cuBLAS", 0, False, False, False, ""),
+    ("DFlash", "skinny <= 2 rows, prologues", 2, True, True, False, ""),
+    ("DFlash", "+ KV store in RoPE", 2, True, True, True, ""),
+    ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
+    ("DFlash", "T = 1, torch sampler", 2, True, True, True, "t1"),
+    ("DFlash", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
 ]
 
 
 def ablate(
-    target: Path, drafter: Path, kw: dict, prompt: list[int], steps: int, accept: float
+    target: Path,
+    drafter: Path,
+    kw: dict,
+    prompt: list[int],
+    steps: int,
+    accept: float,
+    only: str | None = None,
 ) -> list[dict]:
     """Step time at batch 1 and 8 for each kernel variant (the GEMMs, their prologues, the KV
-    store fused into RoPE) of the AR engine and of DFlash at N = 15, one engine at a time
-    (random weights made again for each, so the greedy tokens compare only in shape)."""
+    store fused into RoPE, async decode, the sampler's kernels at T = 1) of the AR engine and of
+    DFlash at N = 15, one engine at a time (random weights made again for each, so the greedy
+    tokens compare only in shape). `only`: keep the rows whose "engine variant" contains it."""
     import gc
 
+    from blockdraft.kernels import select
     from blockdraft.models import decoder
 
     rows = []
-    for engine, name, max_rows, silu, norm, kv_store in tqdm(ABLATION, "ablation"):
+    todo = [r for r in ABLATION if only is None or only in f"{r[0]} {r[1]}"]
+    for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
         decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
         decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
+        select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
+        temperature = 1.0 if extra.startswith("t1") else 0.0
+        engine_kw = {**kw, "async_decode": extra == "async"}
         if engine == "AR":
-            llm = LLM(str(target), **kw)
+            llm = LLM(str(target), **engine_kw)
         else:
-            llm = dflash_llm(target, drafter, 15, None, accept, kw)
-        step1 = mean_step_ms(llm, prompt, 1, steps)
-        step8 = mean_step_ms(llm, prompt, 8, steps)
+            llm = dflash_llm(target, drafter, 15, None, accept, engine_kw)
+        step1 = mean_step_ms(llm, prompt, 1, steps, temperature)
+        step8 = mean_step_ms(llm, prompt, 8, steps, temperature)
         rows.append(
             {"engine": engine, "variant": name, "skinny_max_rows": max_rows,
              "fuse_silu_mul": silu, "fuse_norm": norm, "fuse_kv_store": kv_store,
-             "step_ms_batch1": step1, "step_ms_batch8": step8}
+             "extra": extra, "step_ms_batch1": step1, "step_ms_batch8": step8}
         )  # fmt: skip
         del llm
         gc.collect()
         torch.cuda.empty_cache()
+    select.TRITON_SAMPLER_ON_CUDA = False
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],
@@ -310,6 +334,9 @@ def main() -> None:
         "KV store in RoPE)",
     )
     p.add_argument(
+        "--ablate-only", default=None, help="with --ablate: rows whose 'engine variant' has this"
+    )
+    p.add_argument(
         "--skinny-rows",
         type=int,
         default=None,
@@ -382,7 +409,9 @@ def main() -> None:
         async_decode=args.async_decode,
     )
     if args.ablate:
-        results["ablation"] = ablate(target, drafter, kw, prompt, args.steps, args.accept)
+        results["ablation"] = ablate(
+            target, drafter, kw, prompt, args.steps, args.accept, args.ablate_only
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return

@@ -76,13 +76,19 @@ class EngineConfig:
     # step t is read back, its input ids taken on the device from step t's sampled tokens, so
     # the host's bookkeeping overlaps the GPU's work. Same outputs as False; steps that are not
     # plain decode of an unchanged batch run as usual. No effect with speculative_config.
-    async_decode: bool = False
+    # None: on for CUDA (measured on an H200: 4.78 -> 4.43 ms a Qwen3-8B decode step at batch
+    # 1), off on the CPU, where the host does the forward itself and nothing overlaps.
+    async_decode: bool | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.async_decode, bool):
-            raise ValueError(f"async_decode must be True or False, got {self.async_decode!r}")
+        if self.async_decode is not None and not isinstance(self.async_decode, bool):
+            raise ValueError(
+                f"async_decode must be True, False or None (auto), got {self.async_decode!r}"
+            )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.async_decode is None:
+            self.async_decode = self.device.startswith("cuda")
         try:
             torch.device(self.device)
         except RuntimeError:

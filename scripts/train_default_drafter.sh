@@ -41,7 +41,9 @@ random.Random(0).shuffle(new)
 with open(f"{work}/prompts_c.json", "w") as f:
     json.dump({"old": keep[:10128], "new": new}, f)
 PY
+FROM=${FROM_ROUND:-1}  # FROM_ROUND=6: only round 6, from the shipped drafter (round 5)
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
+if [ "$FROM" -le 5 ]; then
 # Round 1: a fresh 3-layer drafter on 5 target layers, cosine over 3,600 steps, stopped at 2,244.
 blockdraft train-draft --data "$WORK/prompts_a.jsonl" --out "$WORK/round1" $COMMON \
     --num-layers 3 --num-target-features 5 --anchors 512 --batch-size 8 \
@@ -137,5 +139,61 @@ cat "$WORK/data_e.jsonl" "$WORK/data_d.jsonl" > "$WORK/data_e_d.jsonl"
 blockdraft train-draft --data "$WORK/data_e_d.jsonl" --out "$WORK/round5" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round4/checkpoints/step_001572" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
-cp "$WORK/round5/config.json" "$WORK/round5/model.safetensors" "$WORK/"
+fi
+INIT6="$WORK/round5"
+[ -f "$INIT6/model.safetensors" ] || INIT6="$(python -c 'import blockdraft.assets as a, pathlib; print(pathlib.Path(a.__file__).parent / "smollm2_135m_dflash")')"
+# Round 6: ShareGPT answers not cut in round 5 (every other answer of > 200 characters, each cut
+# once at a word 15-75% of the way in, same rule as round 5), then round 1's first turns again
+# with a 384-token cap; from round 5's weights, batch 16, a new cosine over 3,000 steps.
+python - "$WORK" <<'PY'
+import json, random, sys
+from blockdraft import LLM
+from blockdraft.train import load_sharegpt_chats, load_prompts, regenerate
+
+work = sys.argv[1]
+chats = list(load_sharegpt_chats())
+
+
+def answers_of(chat):
+    return [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0
+            and chat[i - 1]["role"] == "user" and len(m["content"]) > 200]
+
+
+def cut_prompt(chat, i, rng):
+    text = chat[i]["content"]
+    cut = text.find(" ", int(len(text) * rng.uniform(0.15, 0.75)))
+    if cut <= 40:
+        return None
+    chat = chat[:i] + [{"role": "assistant", "content": text[:cut]}]
+    while sum(len(m["content"]) for m in chat) > 2800 and len(chat) > 2:
+        chat = chat[2:]  # drop the oldest user/assistant exchange
+    ok = sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user"
+    return chat if ok else None
+
+
+rng5 = random.Random(5)  # replays round 5's choices, to leave them out
+round5 = {}
+for n, chat in enumerate(chats):
+    answers = answers_of(chat)
+    if answers:
+        round5[n] = rng5.choice(answers)
+        rng5.uniform(0.15, 0.75)
+rng = random.Random(6)
+prompts = []
+for n, chat in enumerate(chats):
+    for i in answers_of(chat):
+        if i != round5.get(n) and (p := cut_prompt(chat, i, rng)) is not None:
+            prompts.append(p)
+rng.shuffle(prompts)
+llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
+regenerate(prompts, f"{work}/data_f.jsonl", llm=llm, max_tokens=256, max_prompt_tokens=768,
+           batch_size=2048)
+regenerate(load_prompts(f"{work}/prompts_a.jsonl"), f"{work}/data_f2.jsonl", llm=llm,
+           max_tokens=384, max_prompt_tokens=768, batch_size=2048)
+PY
+cat "$WORK/data_f.jsonl" "$WORK/data_f2.jsonl" > "$WORK/data_f_f2.jsonl"
+blockdraft train-draft --data "$WORK/data_f_f2.jsonl" --out "$WORK/round6" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$INIT6" \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
+cp "$WORK/round6/config.json" "$WORK/round6/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"

@@ -28,8 +28,9 @@ from blockdraft.models.model_config import TransformerConfig
 # At most this many rows (decode: the batch; verify: batch * (1 + N)), a linear on the GPU runs
 # the skinny GEMM, which only streams the weight; more rows are cuBLAS's. Measured on the H200
 # (benchmarks/gemv_bench.py, BENCHMARKS.md): faster than cuBLAS at 1-2 rows on every Qwen3-8B
-# projection, not reliably at 4-16.
-SKINNY_MAX_ROWS = 2
+# projection, not reliably at 4-16 alone; but whole steps were as fast or faster at 16 rows
+# (gpu_bench --ablate, run VIII: AR batch 8 5.76 -> 5.45 ms, DFlash verify 16 rows 6.26 -> 6.15).
+SKINNY_MAX_ROWS = 16
 # Compiled Triton only: in the interpreter the kernel would crawl through every projection.
 SKINNY_DEVICE_TYPE = "cuda"
 # Where the down projection runs the skinny GEMM, form the MLP's silu(gate) * up in its loads
