@@ -370,8 +370,10 @@ def main() -> None:
     )
     p.add_argument(
         "--async-decode",
-        action="store_true",
-        help="launch each plain decode step before reading the last one back (async_decode)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each plain decode step before reading the last one back (async_decode; "
+        "default: the engine's, on for CUDA; runs before 2026-12-03 VIII-b had it off)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -390,7 +392,7 @@ def main() -> None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
-    results["async_decode"] = args.async_decode
+    results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
     results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
