@@ -78,7 +78,8 @@ class DraftSchedule:
 
     @staticmethod
     def auto(num_speculative_tokens: int, device_type: str) -> dict[int, int]:
-        # CPU steps are never compute-bound in the way a large GPU batch is: fixed N there.
+        # On the CPU every verify row costs compute, at any batch, so the best N follows the
+        # drafter's acceptance rather than the batch (BENCHMARKS.md): the user's N, fixed.
         if device_type != "cuda":
             return {}
         return {AUTO_MIN_BATCH: min(num_speculative_tokens, AUTO_NUM_DRAFTS)}
