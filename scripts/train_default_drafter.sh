@@ -41,7 +41,7 @@ random.Random(0).shuffle(new)
 with open(f"{work}/prompts_c.json", "w") as f:
     json.dump({"old": keep[:10128], "new": new}, f)
 PY
-FROM=${FROM_ROUND:-1}  # FROM_ROUND=6: only round 6, from the shipped drafter (round 5)
+FROM=${FROM_ROUND:-1}  # FROM_ROUND=6: only round 6, from round 5's weights (git history)
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
 if [ "$FROM" -le 5 ]; then
 # Round 1: a fresh 3-layer drafter on 5 target layers, cosine over 3,600 steps, stopped at 2,244.
@@ -141,10 +141,16 @@ blockdraft train-draft --data "$WORK/data_e_d.jsonl" --out "$WORK/round5" --max-
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
 fi
 INIT6="$WORK/round5"
-[ -f "$INIT6/model.safetensors" ] || INIT6="$(python -c 'import blockdraft.assets as a, pathlib; print(pathlib.Path(a.__file__).parent / "smollm2_135m_dflash")')"
+if [ ! -f "$INIT6/model.safetensors" ]; then  # FROM_ROUND=6: round 5 as shipped until 7887201
+    mkdir -p "$INIT6"
+    for f in config.json model.safetensors; do
+        git show "7887201:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT6/$f"
+    done
+fi
 # Round 6: ShareGPT answers not cut in round 5 (every other answer of > 200 characters, each cut
 # once at a word 15-75% of the way in, same rule as round 5), then round 1's first turns again
-# with a 384-token cap; from round 5's weights, batch 16, a new cosine over 3,000 steps.
+# with a 384-token cap; from round 5's weights, batch 16, a new cosine over 3,000 steps,
+# stopped at 2,975 (where the shipped run's time limit stopped it).
 python - "$WORK" <<'PY'
 import json, random, sys
 from blockdraft import LLM
@@ -194,6 +200,7 @@ PY
 cat "$WORK/data_f.jsonl" "$WORK/data_f2.jsonl" > "$WORK/data_f_f2.jsonl"
 blockdraft train-draft --data "$WORK/data_f_f2.jsonl" --out "$WORK/round6" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT6" \
-    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
-cp "$WORK/round6/config.json" "$WORK/round6/model.safetensors" "$WORK/"
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2975
+cp "$WORK/round6/checkpoints/step_002975/config.json" \
+    "$WORK/round6/checkpoints/step_002975/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
