@@ -87,12 +87,12 @@ class EngineConfig:
             )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.async_decode is None:
-            self.async_decode = self.device.startswith("cuda")
         try:
             torch.device(self.device)
         except RuntimeError:
             raise ValueError(f"unknown device {self.device!r}") from None
+        if self.async_decode is None:
+            self.async_decode = torch.device(self.device).type == "cuda"
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
