@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +87,13 @@ def run_bench(
     temperatures: list[float],
     max_tokens: int,
     seed: int = 0,
+    repeats: int = 1,
 ) -> list[SetResult]:
+    """Per set and temperature: τ and its histogram (first pass), and each engine's median
+    tok/s over `repeats` passes, the engines taking turns (AR, DFlash, AR, ...) so that a drift
+    of the machine's speed falls on both."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     results = []
     jobs = [(name, t) for name in prompt_sets for t in temperatures]
     # One untimed request per engine and temperature first: the first pass over a path
@@ -99,8 +106,13 @@ def run_bench(
     for name, temperature in tqdm(jobs, desc="bench"):
         prompts = prompt_sets[name]
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        ar_tok_s, _ = _run(ar, prompts, params)
-        sd_tok_s, lengths = _run(dflash, prompts, params)
+        ar_rates, sd_rates, lengths = [], [], []
+        for i in range(repeats):
+            ar_rates.append(_run(ar, prompts, params)[0])
+            sd_tok_s, pass_lengths = _run(dflash, prompts, params)
+            sd_rates.append(sd_tok_s)
+            lengths = lengths if i else pass_lengths
+        ar_tok_s, sd_tok_s = statistics.median(ar_rates), statistics.median(sd_rates)
         hist: dict[int, int] = {}
         for k in lengths:
             hist[k] = hist.get(k, 0) + 1

@@ -163,7 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
     dflash = LLM(**kwargs)
     ar = LLM(**{**kwargs, "speculative_config": None})
-    results = run_bench(ar, dflash, sets, args.temperatures, args.max_tokens, args.seed)
+    results = run_bench(
+        ar, dflash, sets, args.temperatures, args.max_tokens, args.seed, args.repeats
+    )
     print(format_table(results))
     with open(args.json, "w") as f:
         json.dump(results_json(results), f, indent=2)
@@ -206,6 +208,12 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--num-prompts", type=int, default=20, help="per set")
     bench.add_argument("--max-tokens", type=int, default=256)
     bench.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed passes per engine, taken in turns; the median tok/s is reported",
+    )
     bench.add_argument("--json", default="bench.json")
     bench.add_argument("--plot", default="bench.png")
     bench.set_defaults(func=cmd_bench)

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockdraft import LLM
 from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench
@@ -55,3 +56,29 @@ def test_bench_reports_acceptance_and_speed(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--model", str(target)])  # no --draft: a clear error, exit code 2
     assert "give --draft" in capsys.readouterr().err
+
+
+def test_repeats_take_turns_and_report_the_median(monkeypatch, rng) -> None:
+    """With repeats, the engines run in turns (AR, DFlash, AR, ...) after the warm-up, each
+    reports the median of its passes, and τ comes from DFlash's first pass."""
+    import blockdraft.bench as bench
+
+    repeats = 3
+    rates = {"ar": torch.rand(repeats, generator=rng).tolist(),
+             "sd": torch.rand(repeats, generator=rng).tolist()}  # fmt: skip
+    order: list[str] = []
+
+    def fake_run(llm, prompts, params):
+        name = llm
+        order.append(name)
+        passes = order.count(name) - 1  # the warm-up pass comes first
+        rate = rates[name][passes - 1] if passes else 0.0
+        return rate, [passes + 1] * 2 if name == "sd" else []
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    (r,) = run_bench("ar", "sd", {"toy": ["p"]}, [0.0], max_tokens=4, repeats=repeats)
+    assert order == ["ar", "sd"] + ["ar", "sd"] * repeats
+    assert r.ar_tok_s == sorted(rates["ar"])[1] and r.dflash_tok_s == sorted(rates["sd"])[1]
+    assert r.mean_acceptance_length == 2 and r.histogram == {2: 2}
+    with pytest.raises(ValueError, match="repeats"):
+        run_bench("ar", "sd", {"toy": ["p"]}, [0.0], max_tokens=4, repeats=0)
