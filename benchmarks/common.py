@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +35,43 @@ def print_table(title: str, header: list[str], rows: list[list[object]]) -> None
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+
+
+class TritonCompileLog:
+    """Triton kernels specialised for the first time in this process while a timed phase ran:
+    each one is a compile (or a disk-cache load) inside that phase's figure, i.e. a stall.
+    Installs triton's post-compile hook; `installed` is False where triton has no such hook."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None  # the timed phase running now; None: untimed
+        self.events: list[tuple[str, str]] = []  # (phase, kernel name)
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_post_compile_hook = self._hook
+            self.installed = True
+        except (ImportError, AttributeError):
+            self.installed = False
+
+    def _hook(self, *args: object, **kwargs: object) -> None:
+        # Any signature: a hook that raised would break the compile it reports on.
+        if self.phase is not None:
+            fn = kwargs.get("fn")
+            self.events.append((self.phase, str(getattr(fn, "name", fn))))
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = None
+
+    def by_phase(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for phase, kernel in self.events:
+            out.setdefault(phase, []).append(kernel)
+        return out
 
 
 def write_dummy_drafter(

@@ -14,6 +14,7 @@ c. DFlash tok/s with synthetic acceptance (p = 0.86, mean acceptance 6.5 at N = 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -25,7 +26,13 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import hardware, now, print_table, write_dummy_drafter  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    TritonCompileLog,
+    hardware,
+    now,
+    print_table,
+    write_dummy_drafter,
+)
 from blockdraft import LLM, SamplingParams  # noqa: E402
 
 QWEN3_8B = {
@@ -92,9 +99,16 @@ def weight_bytes(cfg: dict) -> int:
 
 
 def decode_tok_s(
-    llm: LLM, prompt: list[int], batch: int, new_tokens: int, reps: int = 3
+    llm: LLM,
+    prompt: list[int],
+    batch: int,
+    new_tokens: int,
+    reps: int = 3,
+    log: TritonCompileLog | None = None,
+    phase: str = "",
 ) -> float:
-    """Median tok/s of `reps` timed generations of `batch` copies of `prompt`."""
+    """Median tok/s of `reps` timed generations of `batch` copies of `prompt` (kernels first
+    specialised while they run are logged under `phase`)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     # Twice: the second call takes the cached-prefix prefill path, which the timed call takes
     # too; Triton compiles each kernel variant on first use, and that must not be timed.
@@ -105,15 +119,22 @@ def decode_tok_s(
             use_tqdm=False,
         )
     rates = []
-    for _ in range(reps):  # one short pass (64 tokens) spread by up to ~20% run to run
-        t0 = now()
-        outs = llm.generate([prompt] * batch, params, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0))
+    with log.timed(phase) if log is not None else contextlib.nullcontext():
+        for _ in range(reps):  # one short pass (64 tokens) spread by up to ~20% run to run
+            t0 = now()
+            outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0))
     return statistics.median(rates)
 
 
 def mean_step_ms(
-    llm: LLM, prompt: list[int], batch: int, steps: int, temperature: float = 0.0
+    llm: LLM,
+    prompt: list[int],
+    batch: int,
+    steps: int,
+    temperature: float = 0.0,
+    log: TritonCompileLog | None = None,
+    phase: str = "",
 ) -> float:
     engine = llm.engine
     params = SamplingParams(
@@ -127,10 +148,11 @@ def mean_step_ms(
         engine.step()
     for _ in range(3):
         engine.step()
-    t0 = now()
-    for _ in range(steps):
-        engine.step()
-    elapsed = now() - t0
+    with log.timed(phase) if log is not None else contextlib.nullcontext():
+        t0 = now()
+        for _ in range(steps):
+            engine.step()
+        elapsed = now() - t0
     for i in range(batch):
         engine.abort_request(f"probe{i}")
     return elapsed / steps * 1e3
@@ -417,6 +439,7 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
+    compiles = TritonCompileLog()
     t0 = time.perf_counter()
     ar = LLM(str(target), **kw)
     print(
@@ -425,22 +448,33 @@ def main() -> None:
         flush=True,
     )
     results["capture_time_s"] = ar.engine.capture_time_s
-    results["ar_batch1_tok_s"] = decode_tok_s(ar, prompt, 1, args.new_tokens)
+    results["ar_batch1_tok_s"] = decode_tok_s(
+        ar, prompt, 1, args.new_tokens, log=compiles, phase="a. AR batch 1"
+    )
     hf = zlab = float("nan")
     if not args.skip_peers:
         hf, zlab = hf_and_zlab(target, prompt, min(64, args.new_tokens))
     results["transformers_tok_s"], results["zlab_block1_tok_s"] = hf, zlab
 
-    ar_steps = {b: mean_step_ms(ar, prompt, b, args.steps) for b in tqdm(args.batches, "AR steps")}
+    ar_steps = {
+        b: mean_step_ms(ar, prompt, b, args.steps, log=compiles, phase=f"b. AR step {b}")
+        for b in tqdm(args.batches, "AR steps")
+    }
     def by_concurrency(llm: LLM, label: str) -> dict[int, float]:
-        return {c: decode_tok_s(llm, prompt, c, conc_tokens) for c in tqdm(args.concurrency, label)}
+        return {
+            c: decode_tok_s(llm, prompt, c, conc_tokens, log=compiles, phase=f"c. {label} {c}")
+            for c in tqdm(args.concurrency, label)
+        }
 
     ar_conc = by_concurrency(ar, "AR conc")
     prof_rows = profile_steps(ar, prompt, args.steps, "AR") if args.profile else []
     del ar
     torch.cuda.empty_cache()
     sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
-    sd_steps = {b: mean_step_ms(sd, prompt, b, args.steps) for b in tqdm(args.batches, "SD steps")}
+    sd_steps = {
+        b: mean_step_ms(sd, prompt, b, args.steps, log=compiles, phase=f"b. SD step {b}")
+        for b in tqdm(args.batches, "SD steps")
+    }
     fixed_conc = by_concurrency(sd, "N=15 conc")
     fixed_tau = sd.engine.spec_stats.mean_acceptance_length
     if args.profile:
@@ -462,7 +496,10 @@ def main() -> None:
     if args.small_block:
         top = sorted(args.concurrency)[-2:]
         small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
-        small_conc = {c: decode_tok_s(small, prompt, c, conc_tokens) for c in top}
+        small_conc = {
+            c: decode_tok_s(small, prompt, c, conc_tokens, log=compiles, phase=f"c'. block {c}")
+            for c in top
+        }
         small_tau = small.engine.spec_stats.mean_acceptance_length
         del small
         torch.cuda.empty_cache()
@@ -507,6 +544,18 @@ def main() -> None:
     if prof_rows:
         results["profile_ms"] = prof_rows
         print_table("profile, batch 1, ms per step", ["mode", "what", "ms"], prof_rows)
+    # A kernel first specialised inside a timed pass is a stall in that figure.
+    stalls = compiles.by_phase()
+    results["triton_compiles_in_timed_phases"] = stalls if compiles.installed else None
+    if not compiles.installed:
+        print("\n(triton has no post-compile hook here: compiles in timed phases not logged)")
+    else:
+        print_table(
+            "Triton kernels first specialised inside timed passes (stalls)",
+            ["phase", "count", "kernels"],
+            [[p, len(k), ", ".join(sorted(set(k)))[:90]] for p, k in stalls.items()]
+            or [["none", 0, ""]],
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
