@@ -201,6 +201,7 @@ def ablate(
     from blockdraft.models import decoder
 
     rows = []
+    sampler_default = select.TRITON_SAMPLER_ON_CUDA
     todo = [r for r in ABLATION if only is None or only in f"{r[0]} {r[1]}"]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
@@ -223,7 +224,7 @@ def ablate(
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    select.TRITON_SAMPLER_ON_CUDA = False
+    select.TRITON_SAMPLER_ON_CUDA = sampler_default
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],
