@@ -1,0 +1,149 @@
+"""Eager tensor ops per engine step outside the captured forwards, on the CPU.
+
+On a GPU the target's and the drafter's forwards replay CUDA graphs; every other tensor op of
+a step is an eager launch the host pays for (a few microseconds each), which is what bounds a
+small target's step. This counts them on the CPU with a tiny random Qwen3 target and drafter
+(`load_format="dummy"`), per call site, for the AR and the DFlash step at T = 0 and T = 1.
+Views count as ops here although they launch nothing, and on a GPU some sites run one Triton
+kernel where the CPU runs their torch twin (`kernels/select.py`): read the sites, not the
+total, as the launch budget.
+
+    python benchmarks/host_ops.py [--steps 20] [--num-drafts 15] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table, write_dummy_drafter  # noqa: E402
+from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.models.decoder import DecoderLM  # noqa: E402
+from blockdraft.models.dflash import DFlashDrafter  # noqa: E402
+
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops by the innermost blockdraft frame that issued them, skipping those
+    issued inside the forwards that CUDA graphs capture (`graphed`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth = 0  # > 0 while a graphed forward runs
+        self.sites: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if not self.depth:
+            frames = [f for f in traceback.extract_stack() if "/blockdraft/" in f.filename]
+            where = frames[-1] if frames else None
+            site = f"{Path(where.filename).stem}.{where.name}" if where else "?"
+            self.sites[site] += 1
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def graphed(self) -> Iterator[None]:
+        """While active, the forwards of the target and the drafter are not counted."""
+        originals = {cls: cls.forward for cls in (DecoderLM, DFlashDrafter)}
+
+        def wrap(forward):  # noqa: ANN001, ANN202
+            def counted(module, *args, **kwargs):  # noqa: ANN001, ANN202
+                self.depth += 1
+                try:
+                    return forward(module, *args, **kwargs)
+                finally:
+                    self.depth -= 1
+
+            return counted
+
+        for cls, forward in originals.items():
+            cls.forward = wrap(forward)
+        try:
+            yield
+        finally:
+            for cls, forward in originals.items():
+                cls.forward = forward
+
+
+def count_step_ops(llm: LLM, temperature: float, steps: int) -> collections.Counter[str]:
+    """Ops per call site over `steps` decode (or speculative) steps of one request."""
+    engine = llm.engine
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=10_000, ignore_eos=True)
+    engine.add_request("probe", list(range(5, 45)), params)
+    for _ in range(4):  # prefill and a few steps first: the counted steps are steady ones
+        engine.step()
+    counter = OpCounter()
+    with counter.graphed(), counter:
+        for _ in range(steps):
+            engine.step()
+    engine.abort_request("probe")
+    return counter.sites
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--num-drafts", type=int, default=15)
+    p.add_argument("--top", type=int, default=8, help="call sites listed per row")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp())
+    target = tmp / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TINY_QWEN3))
+    drafter = write_dummy_drafter(tmp / "drafter", TINY_QWEN3, num_layers=1, with_weights=False)
+    kw = dict(device="cpu", load_format="dummy", max_model_len=1024)
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.num_drafts}
+    engines = {
+        "AR": LLM(str(target), **kw),
+        "DFlash": LLM(str(target), speculative_config=spec, **kw),
+    }
+    results: dict = {"steps": args.steps, "num_drafts": args.num_drafts, "rows": []}
+    table = []
+    for temperature in (0.0, 1.0):
+        for name, llm in engines.items():
+            sites = count_step_ops(llm, temperature, args.steps)
+            per_step = {s: n / args.steps for s, n in sites.most_common()}
+            total = sum(per_step.values())
+            results["rows"].append(
+                {"engine": name, "temperature": temperature, "ops_per_step": total,
+                 "by_site": per_step}
+            )  # fmt: skip
+            top = ", ".join(f"{s} {n:.0f}" for s, n in list(per_step.items())[: args.top])
+            table.append([name, temperature, total, top])
+    print_table(
+        f"eager ops per step outside the graphed forwards (tiny Qwen3, CPU, N = {args.num_drafts})",
+        ["engine", "T", "ops/step", "top call sites (ops/step)"],
+        table,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()
