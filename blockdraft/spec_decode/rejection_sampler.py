@@ -61,10 +61,9 @@ def rejection_sample(
         target_argmax = target_logits.argmax(dim=-1)  # [R, N+1]
         matches = draft_tokens.to(torch.int64) == target_argmax[:, :n]
         num_accepted = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R]
-        padded = torch.cat([draft_tokens.to(torch.int64), target_argmax[:, n:]], dim=1)
-        out = torch.where(cols < num_accepted[:, None], padded, -1)
-        extra = target_argmax.gather(1, num_accepted[:, None])
-        return torch.where(cols == num_accepted[:, None], extra, out), num_accepted
+        # Accepted drafts equal the argmax, and the extra token is the argmax at the first
+        # mismatch (or the bonus row): the output is the argmax up to there (fewer launches).
+        return torch.where(cols <= num_accepted[:, None], target_argmax, -1), num_accepted
     st_rows = st.repeat_interleave(n_plus_1)
     p = sampling_probs(target_logits.reshape(num_rows * n_plus_1, vocab), st_rows)
     p = p.view(num_rows, n_plus_1, vocab)
