@@ -277,6 +277,28 @@ def test_sampling_probs_fast_paths_agree(ctx: Ctx) -> None:
     assert torch.equal(sampling_probs(logits, strip_hints(st)), onehot)
 
 
+@pytest.mark.parametrize("filters", [False, True])
+def test_sampling_probs_without_greedy_rows_is_bit_identical(ctx: Ctx, filters: bool) -> None:
+    """The any_greedy=False hint skips masking greedy rows: the same bits as the general path,
+    with and without top-k/top-p; a batch with one greedy row keeps the general path."""
+    r, vocab = 33, 257
+    logits = torch.randn(r, vocab, generator=ctx.gen) * 3.0
+    params = random_params(ctx.gen, r)
+    params["temperature"] = (torch.rand(r, generator=ctx.gen) * 1.5 + 0.05).tolist()
+    if not filters:
+        params["top_k"], params["top_p"] = [0] * r, [1.0] * r
+    st = SamplingTensors.from_lists(**params, device="cpu")
+    assert st.any_greedy is False and st.all_greedy is False
+    assert torch.equal(sampling_probs(logits, st), sampling_probs(logits, strip_hints(st))), ctx.tag
+    params["temperature"][int(torch.randint(0, r, (1,), generator=ctx.gen))] = 0.0
+    mixed = SamplingTensors.from_lists(**params, device="cpu")
+    assert mixed.any_greedy is True
+    probs = sampling_probs(logits, mixed)
+    assert torch.equal(probs, sampling_probs(logits, strip_hints(mixed))), ctx.tag
+    row = params["temperature"].index(0.0)
+    assert probs[row].argmax() == logits[row].argmax() and probs[row].max() == 1  # one-hot
+
+
 # --------------------------------------------------------------- sampled distributions
 
 DIST_CASES = {

@@ -32,6 +32,7 @@ class SamplingTensors:
     # skip work (or return None from sample_drafts) without reading tensors back from
     # the device; None means "unknown" and takes the always-correct general path.
     all_greedy: bool | None = None
+    any_greedy: bool | None = None
     uses_top_k_top_p: bool | None = None
 
     @classmethod
@@ -65,6 +66,7 @@ class SamplingTensors:
             seed=torch.tensor(seed, dtype=torch.int64, device=device),
             position=torch.tensor(position, dtype=torch.int64, device=device),
             all_greedy=not any(sampled),
+            any_greedy=not all(sampled),
             uses_top_k_top_p=any(
                 s and (k > 0 or p < 1.0) for s, k, p in zip(sampled, top_k, top_p, strict=True)
             ),
@@ -76,10 +78,11 @@ class SamplingTensors:
 
     def repeat_interleave(self, n: int, position_offsets: bool = True) -> SamplingTensors:
         """Each row becomes n consecutive rows; positions advance 0..n-1 when asked."""
-        position = self.position.repeat_interleave(n)
         if position_offsets:
-            offsets = torch.arange(n, dtype=torch.int64, device=position.device)
+            offsets = torch.arange(n, dtype=torch.int64, device=self.position.device)
             position = (self.position[:, None] + offsets).reshape(-1)
+        else:
+            position = self.position.repeat_interleave(n)
         return SamplingTensors(
             temperature=self.temperature.repeat_interleave(n),
             top_k=self.top_k.repeat_interleave(n),
@@ -88,6 +91,7 @@ class SamplingTensors:
             seed=self.seed.repeat_interleave(n),
             position=position,
             all_greedy=self.all_greedy,
+            any_greedy=self.any_greedy,
             uses_top_k_top_p=self.uses_top_k_top_p,
         )
 
@@ -111,10 +115,14 @@ def sampling_probs(
     if st.all_greedy:
         return _one_hot_argmax(logits)
     num_rows, vocab = logits.shape
-    greedy = st.temperature == 0
     # Greedy rows still flow through the arithmetic (no data-dependent branching), so
-    # give them a harmless temperature and overwrite them at the end.
-    temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
+    # give them a harmless temperature and overwrite them at the end; where the host knows
+    # there are none, both steps are skipped (no value changes).
+    if st.any_greedy is False:
+        greedy, temp = None, st.temperature
+    else:
+        greedy = st.temperature == 0
+        temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     probs = torch.softmax(logits.float() / temp[:, None], dim=-1)
 
     if st.uses_top_k_top_p is False:
@@ -137,6 +145,8 @@ def sampling_probs(
 
     probs = torch.where(keep, probs, 0.0)
     probs = probs / probs.sum(dim=-1, keepdim=True)
+    if greedy is None:
+        return probs
     return torch.where(greedy[:, None], _one_hot_argmax(logits), probs)
 
 

@@ -9,6 +9,8 @@ harmless because nothing that reached the output depended on them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from blockdraft.kernels.select import get_hashed_uniform_backend
@@ -101,14 +103,7 @@ def rejection_sample(
         # q == p up to rounding, where a rejection is itself a rounding artefact; fall
         # back to p rather than race over zeros.
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_at)
-    st_extra = SamplingTensors(
-        temperature=st.temperature,
-        top_k=st.top_k,
-        top_p=st.top_p,
-        min_p=st.min_p,
-        seed=st.seed,
-        position=st.position + num_accepted,
-    )
+    st_extra = dataclasses.replace(st, position=st.position + num_accepted)
     extra = sample_from_probs(residual, st_extra, SALT_RESAMPLE)  # [R]
 
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_full((num_rows, 1), -1)], dim=1)
