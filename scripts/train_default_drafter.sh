@@ -41,6 +41,27 @@ random.Random(0).shuffle(new)
 with open(f"{work}/prompts_c.json", "w") as f:
     json.dump({"old": keep[:10128], "new": new}, f)
 PY
+# Rounds 5 and 6 cut ShareGPT's own answers part-way for the target to continue: one rule.
+cat > "$WORK/cut_answers.py" <<'PY'
+def answers_of(chat):
+    """Indices of the answers (> 200 characters) that follow a user turn."""
+    return [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0
+            and chat[i - 1]["role"] == "user" and len(m["content"]) > 200]
+
+
+def cut_prompt(chat, i, rng):
+    """The chat up to answer i, cut at a word 15-75% of the way in; the oldest exchanges
+    dropped to keep 2,800 characters. None when the cut or the fit fails."""
+    text = chat[i]["content"]
+    cut = text.find(" ", int(len(text) * rng.uniform(0.15, 0.75)))
+    if cut <= 40:
+        return None
+    chat = chat[:i] + [{"role": "assistant", "content": text[:cut]}]
+    while sum(len(m["content"]) for m in chat) > 2800 and len(chat) > 2:
+        chat = chat[2:]  # drop the oldest user/assistant exchange
+    ok = sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user"
+    return chat if ok else None
+PY
 FROM=${FROM_ROUND:-1}  # FROM_ROUND=6: only round 6, from round 5's weights (git history)
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
 if [ "$FROM" -le 5 ]; then
@@ -113,23 +134,15 @@ from blockdraft import LLM
 from blockdraft.train import load_sharegpt_chats, regenerate
 
 work = sys.argv[1]
+sys.path.insert(0, work)
+from cut_answers import answers_of, cut_prompt
+
 rng = random.Random(5)
 prompts = []
 for chat in load_sharegpt_chats():
-    answers = [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0
-               and chat[i - 1]["role"] == "user" and len(m["content"]) > 200]
-    if not answers:
-        continue
-    i = rng.choice(answers)
-    text = chat[i]["content"]
-    cut = text.find(" ", int(len(text) * rng.uniform(0.15, 0.75)))
-    if cut <= 40:
-        continue
-    chat = chat[:i] + [{"role": "assistant", "content": text[:cut]}]
-    while sum(len(m["content"]) for m in chat) > 2800 and len(chat) > 2:
-        chat = chat[2:]  # drop the oldest user/assistant exchange
-    if sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user":
-        prompts.append(chat)
+    answers = answers_of(chat)
+    if answers and (p := cut_prompt(chat, rng.choice(answers), rng)) is not None:
+        prompts.append(p)
 rng.shuffle(prompts)
 llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
 regenerate(prompts, f"{work}/data_e.jsonl", llm=llm, max_tokens=256, max_prompt_tokens=768,
@@ -157,33 +170,17 @@ from blockdraft import LLM
 from blockdraft.train import load_sharegpt_chats, load_prompts, regenerate
 
 work = sys.argv[1]
+sys.path.insert(0, work)
+from cut_answers import answers_of, cut_prompt
+
 chats = list(load_sharegpt_chats())
-
-
-def answers_of(chat):
-    return [i for i, m in enumerate(chat) if m["role"] == "assistant" and i > 0
-            and chat[i - 1]["role"] == "user" and len(m["content"]) > 200]
-
-
-def cut_prompt(chat, i, rng):
-    text = chat[i]["content"]
-    cut = text.find(" ", int(len(text) * rng.uniform(0.15, 0.75)))
-    if cut <= 40:
-        return None
-    chat = chat[:i] + [{"role": "assistant", "content": text[:cut]}]
-    while sum(len(m["content"]) for m in chat) > 2800 and len(chat) > 2:
-        chat = chat[2:]  # drop the oldest user/assistant exchange
-    ok = sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user"
-    return chat if ok else None
-
-
-rng5 = random.Random(5)  # replays round 5's choices, to leave them out
+rng5 = random.Random(5)  # replays round 5's draws, to leave its choices out
 round5 = {}
 for n, chat in enumerate(chats):
     answers = answers_of(chat)
     if answers:
         round5[n] = rng5.choice(answers)
-        rng5.uniform(0.15, 0.75)
+        cut_prompt(chat, round5[n], rng5)
 rng = random.Random(6)
 prompts = []
 for n, chat in enumerate(chats):
