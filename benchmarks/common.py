@@ -45,6 +45,7 @@ class TritonCompileLog:
     def __init__(self) -> None:
         self.phase: str | None = None  # the timed phase running now; None: untimed
         self.events: list[tuple[str, str]] = []  # (phase, kernel name)
+        self.signatures: list[str] = []  # per event, triton's repr: the specialised arg types
         try:
             from triton import knobs
 
@@ -58,6 +59,7 @@ class TritonCompileLog:
         if self.phase is not None:
             fn = kwargs.get("fn")
             self.events.append((self.phase, str(getattr(fn, "name", fn))))
+            self.signatures.append(str(kwargs.get("repr", "")))
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:

@@ -40,3 +40,30 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     # The MLP only runs inside the forwards that CUDA graphs capture: never counted.
     assert not any(s.startswith("decoder.down") for s in sites)
     assert "eager ops per step" in capsys.readouterr().out
+
+
+def test_small_steps_times_and_splits_the_steps(tmp_path, capsys) -> None:
+    import json
+
+    from benchmarks import small_steps
+    from benchmarks.common import write_dummy_drafter
+    from benchmarks.host_ops import TINY_QWEN3
+
+    (tmp_path / "target.json").write_text(json.dumps(TINY_QWEN3))
+    drafter = write_dummy_drafter(tmp_path / "drafter", TINY_QWEN3, with_weights=False)
+    out = small_steps.main([
+        "--steps", "3", "--passes", "2", "--num-drafts", "3", "--batches", "1", "2",
+        "--accept", "1.0", "--prompt-len", "20", "--profile", "--device", "cpu",
+        "--target-config", str(tmp_path / "target.json"), "--drafter", str(drafter),
+        "--json", str(tmp_path / "out.json"),
+    ])  # fmt: skip
+    rows = {(r["engine"], r["batch"]): r for r in out["rows"]}
+    assert set(rows) == {("AR", 1), ("AR", 2), ("DFlash", 1), ("DFlash", 2)}
+    assert all(len(r["step_ms_by_pass"]) == 2 and r["step_ms"] > 0 for r in rows.values())
+    assert rows["AR", 1]["tokens_per_step"] == 1.0 and rows["AR", 1]["step_cost_ratio"] == 1.0
+    # Every draft accepted: N + 1 tokens a step (the request's steps all verify).
+    assert rows["DFlash", 1]["tokens_per_step"] == 4.0
+    prof = out["profiles"]["DFlash N=3"]
+    assert any(name.startswith("llm_engine:step") for name, _ in prof["blockdraft_cumulative"])
+    assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
+    assert "step cost" in capsys.readouterr().out

@@ -104,7 +104,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Runtime sizes are not specialised (Triton compiles values of 1 and multiples of 16 apart):
+# an eager call whose block-table width or split count crosses one must not compile mid-serving.
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_seq", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -251,7 +253,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_reduce_kernel(
     part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] f32
     part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)

@@ -11,7 +11,13 @@ from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.forward_context import PAD_SLOT_ID
 
 
-@triton.jit
+# The counts and the block-table width change from step to step: not specialised (Triton would
+# compile values of 1 and multiples of 16 apart, i.e. a compile in the middle of serving).
+@triton.jit(
+    do_not_specialize=[
+        "num_reqs", "num_props", "num_reqs_padded", "num_ctx_rows", "stride_bt", "max_blocks"
+    ]
+)
 def _prepare_dflash_inputs_kernel(
     anchor_tokens_ptr,  # [C] int
     anchor_positions_ptr,  # [C] int

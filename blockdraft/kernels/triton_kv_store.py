@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # any row count, one compile
 def _store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
