@@ -112,3 +112,81 @@ def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
     assert all(len(replays[(kind, q)]) > 0 for kind in ("target", "drafter") for q in (4, 8))
     # N = 7 drafts are proposed only while at most 2 requests run, so at most 2 verify them.
     assert max(replays[("target", 8)] + replays[("drafter", 8)]) <= 2, replays
+
+
+def record_drafts(llm: LLM) -> list[torch.Tensor]:
+    proposer = llm.engine.proposer
+    seen: list[torch.Tensor] = []
+    original = proposer.propose
+
+    def recorded(*args, **kwargs):
+        tokens, probs = original(*args, **kwargs)
+        seen.append(tokens.clone())
+        return tokens, probs
+
+    proposer.propose = recorded
+    return seen
+
+
+def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng) -> None:
+    """Steps where every request verifies N and proposes N write the context K/V inside the
+    drafter graph (its persistent inputs loaded, no eager write); other steps write it eagerly
+    and leave the graph's context slots PAD. Every draft equals the eager engine's, so the
+    drafter's cache holds the same K/V either way."""
+    target, drafter = pair
+    spec = {"method": "dflash", "model": str(drafter)}
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 9, 14)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 17, 24)]
+    plain = LLM(str(target), speculative_config=spec, max_model_len=64)
+    expected_drafts = record_drafts(plain)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+    graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=4)
+    capture_twins(graphed, [1, 2, 4])
+    engine = graphed.engine
+    (q, graphed_context), = engine.drafter_contexts.items()
+    assert q == engine.proposer.drafter.cfg.block_size
+    events: list[str] = []
+    load, clear = graphed_context.load, graphed_context.clear
+    graphed_context.load = lambda *a: events.append("load") or load(*a)
+    graphed_context.clear = lambda: events.append("clear") or clear()
+    eager_write = engine.proposer.write_context
+    engine.proposer.write_context = lambda *a: events.append("eager") or eager_write(*a)
+    runner = engine.drafter_graphs[q]
+    replay = runner.run
+    runner.run = lambda *a: events.append("replay") or replay(*a)
+    drafts = record_drafts(graphed)
+    outs = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert len(drafts) == len(expected_drafts)
+    for got, want in zip(drafts, expected_drafts, strict=True):
+        assert torch.equal(got, want)
+    assert events.count("load") > 0 and events.count("eager") > 0, events
+    # Every replay writes either this step's context or nothing (slots all PAD): never the
+    # rows a former step left in the buffers.
+    before_replay = [a for a, b in zip(events, events[1:], strict=False) if b == "replay"]
+    assert set(before_replay) <= {"load", "clear"}, events
+    assert events.count("replay") == events.count("load") + events.count("clear")
+
+
+def test_graphed_context_pads_the_rows_it_is_not_given(pair, rng) -> None:
+    """A smaller batch after a larger one: the rows past it go back to PAD, so the replay does
+    not rewrite the larger batch's context into slots that may have changed hands."""
+    from blockdraft.engine.draft_launcher import GraphedContext
+    from blockdraft.kernels.forward_context import PAD_SLOT_ID
+
+    target, drafter = pair
+    llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)},
+              max_model_len=64)
+    graphed = GraphedContext(llm.engine.proposer.drafter, 16, torch.device("cpu"))
+    assert torch.all(graphed.slot_mapping == PAD_SLOT_ID)  # a capture writes nothing
+    width = graphed.features.shape[1]
+    for rows in (12, 5):
+        features = torch.randn(rows, width, generator=rng)
+        slots = torch.randint(0, 100, (rows,), generator=rng)
+        graphed.load(features, torch.arange(rows), slots)
+        assert torch.equal(graphed.features[:rows], features)
+        assert torch.equal(graphed.slot_mapping[:rows], slots)
+        assert torch.all(graphed.slot_mapping[rows:] == PAD_SLOT_ID)
+    graphed.clear()
+    assert torch.all(graphed.slot_mapping == PAD_SLOT_ID)

@@ -10,6 +10,11 @@ and such a request simply drops its drafts. Its drafter block p .. p+N lies in b
 scheduler reserved for a caught-up request (`Scheduler._capacity_needed`), so it writes only
 the request's own slots. A chunk that does not complete (mid-prefill) writes its context and
 drafts nothing.
+
+In the steady state every request verifies N drafts and proposes N more: the context rows are
+then R * (N+1), as uniform as the block, and their K/V write (fc, norm, k/v projections, RoPE,
+store: a dozen launches that bound a small target's step on the host) runs inside the
+drafter's CUDA graph, from persistent inputs (`GraphedContext`). Other steps write it eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from blockdraft.engine.cuda_graphs import CUDAGraphRunner
 from blockdraft.engine.model_runner import LaunchedStep, SamplingTensorCache
 from blockdraft.engine.sequence import DraftBatch
 from blockdraft.kernels.dflash_inputs import DFlashInputs
-from blockdraft.kernels.forward_context import int64_tensors, padded_block_tables
+from blockdraft.kernels.forward_context import PAD_SLOT_ID, int64_tensors, padded_block_tables
+from blockdraft.models.dflash import DFlashDrafter
 from blockdraft.spec_decode.dflash import DFlashProposer
 
 
@@ -32,20 +38,74 @@ class LaunchedDrafts:
     proposers: list[int]  # the chunk of each row
 
 
+class GraphedContext:
+    """Persistent inputs of the context K/V write that a drafter graph captures before the
+    block forward: one context row per block row (a uniform verify step's committed rows sit in
+    its 1+N rows per request, PAD where rejected). Slots stay PAD unless loaded for the replay
+    at hand: a replay must never rewrite stale rows into slots that may belong to other
+    requests by now."""
+
+    def __init__(self, drafter: DFlashDrafter, max_rows: int, device: torch.device) -> None:
+        self.drafter = drafter
+        fc = drafter.fc.weight  # [hidden, K * hidden]
+        self.features = torch.zeros(max_rows, fc.shape[1], dtype=fc.dtype, device=device)
+        self.positions = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((max_rows,), PAD_SLOT_ID, dtype=torch.int64, device=device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [rows] int64, the blocks
+        positions: torch.Tensor,  # [rows] int64
+    ) -> torch.Tensor:  # [rows, hidden]
+        """What the graph captures: the context rows' K/V write, then the block forward."""
+        rows = input_ids.shape[0]
+        self.drafter.write_context(
+            self.features[:rows], self.positions[:rows], self.slot_mapping[:rows]
+        )
+        return self.drafter(input_ids, positions)
+
+    def load(
+        self,
+        features: torch.Tensor,  # [rows, K * hidden]
+        positions: torch.Tensor,  # [rows] int64
+        slot_mapping: torch.Tensor,  # [rows] int64, PAD where not committed
+    ) -> None:
+        rows = features.shape[0]
+        self.features[:rows].copy_(features)
+        self.positions[:rows].copy_(positions)
+        self.slot_mapping[:rows].copy_(slot_mapping)
+        self.slot_mapping[rows:].fill_(PAD_SLOT_ID)
+
+    def clear(self) -> None:
+        self.slot_mapping.fill_(PAD_SLOT_ID)
+
+
 def run_drafter_block(
     proposer: DFlashProposer,
     graphs: dict[int, CUDAGraphRunner],  # query length -> captured drafter forwards
+    contexts: dict[int, GraphedContext],  # query length -> their context inputs
     inputs: DFlashInputs,
     num_reqs: int,  # R
     block_tables: torch.Tensor,  # [R, W] int64, on the device
     max_seq_len: int,
+    context: torch.Tensor | None = None,  # [R * Q, K * hidden]: features to write first
 ) -> torch.Tensor:  # [R * Q, hidden]
     """Replays a CUDA graph of the drafter when one was captured for this block length and
-    batch, copying the device-built inputs into its buffers on the device; else runs eagerly."""
+    batch, copying the device-built inputs into its buffers on the device; else runs eagerly.
+    `context` (a uniform step's features, one row per block row) is written inside the graph
+    when it has context inputs, else eagerly before it."""
     rows = inputs.input_ids.shape[0]
-    graph = graphs.get(rows // num_reqs)
+    q = rows // num_reqs
+    graph, graphed = graphs.get(q), contexts.get(q)
     if graph is None or not graph.fits(num_reqs, block_tables.shape[1]):
-        return proposer.eager_block(inputs, num_reqs, block_tables, max_seq_len)
+        return proposer.eager_block(inputs, num_reqs, block_tables, max_seq_len, context)
+    if graphed is not None and context is not None and context.shape[0] == rows:
+        graphed.load(context, inputs.context_positions, inputs.context_slot_mapping)
+    else:
+        if context is not None:
+            proposer.write_context(context, inputs)
+        if graphed is not None:
+            graphed.clear()
     out = graph.run(
         inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, block_tables
     )
@@ -105,10 +165,16 @@ class DraftLauncher:
             num_drafts,
             step.row_ends[-1],
         )
-        self.proposer.write_context(step.features, inputs)
+        num_props, q = len(proposers), num_drafts + 1
+        # A uniform step (every request verified N and proposes N): its context rows are the
+        # block rows, and the block run writes them (inside the drafter graph when captured).
+        uniform = num_props == len(step.verify) == len(chunks) and all(
+            len(c.token_ids) == q for c in chunks
+        )
+        if not uniform:
+            self.proposer.write_context(step.features, inputs)
         if not proposers:
             return None
-        num_props, q = len(proposers), num_drafts + 1
         if num_props < len(chunks):
             block_tables = block_tables.index_select(0, proposers_gpu)
         # A drafting chunk's anchor is at most one past its last row (a decode's exactly), so
@@ -117,5 +183,7 @@ class DraftLauncher:
         max_seq_len = max(chunks[i].start + len(chunks[i].token_ids) for i in proposers) + q
         positions = inputs.positions.view(num_props, q)[:, 0] + 1  # first draft positions
         st = self.sampling.get([chunks[i].seq for i in proposers], positions)
-        tokens, probs = self.proposer.propose(inputs, block_tables, max_seq_len, st, num_drafts)
+        tokens, probs = self.proposer.propose(
+            inputs, block_tables, max_seq_len, st, num_drafts, step.features if uniform else None
+        )
         return LaunchedDrafts(DraftBatch(tokens, probs), proposers)

@@ -18,8 +18,13 @@ from blockdraft.engine.async_decode import (
     return_blocks_of_finished,
 )
 from blockdraft.engine.block_manager import BlockManager
-from blockdraft.engine.cuda_graphs import CUDAGraphRunner, default_batch_sizes
-from blockdraft.engine.draft_launcher import DraftLauncher, LaunchedDrafts, run_drafter_block
+from blockdraft.engine.cuda_graphs import CUDAGraphRunner, ForwardFn, default_batch_sizes
+from blockdraft.engine.draft_launcher import (
+    DraftLauncher,
+    GraphedContext,
+    LaunchedDrafts,
+    run_drafter_block,
+)
 from blockdraft.engine.model_runner import (
     LaunchedStep,
     ModelRunner,
@@ -130,9 +135,10 @@ class LLMEngine:
             self.proposer = DFlashProposer(
                 drafter,
                 config.block_size,
-                lambda inputs, num_reqs, tables, max_seq_len: run_drafter_block(
-                    self.proposer, self.drafter_graphs, inputs, num_reqs, tables, max_seq_len
-                ),
+                lambda inputs, num_reqs, tables, max_seq_len, context: run_drafter_block(
+                    self.proposer, self.drafter_graphs, self.drafter_contexts, inputs, num_reqs,
+                    tables, max_seq_len, context,
+                ),  # fmt: skip
             )
 
         num_blocks = self._num_kv_blocks(attention_layers, dtype, lookahead)
@@ -150,6 +156,7 @@ class LLMEngine:
             spec.synthetic_acceptance_rate if spec is not None else None,
         )
         self.drafter_graphs: dict[int, CUDAGraphRunner] = {}
+        self.drafter_contexts: dict[int, GraphedContext] = {}  # their context K/V inputs
         self.draft_launcher: DraftLauncher | None = None
         if self.proposer is not None:
             self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
@@ -176,10 +183,10 @@ class LLMEngine:
         max_blocks = self._max_blocks_per_seq(self.lookahead)
         pool = None
 
-        def capture(module: torch.nn.Module, q: int, sizes: list[int]) -> CUDAGraphRunner:
+        def capture(forward: ForwardFn, q: int, sizes: list[int]) -> CUDAGraphRunner:
             nonlocal pool
             runner = CUDAGraphRunner(
-                module, q, sizes, max_blocks, self.config.block_size, self.device, pool
+                forward, q, sizes, max_blocks, self.config.block_size, self.device, pool
             )
             runner.capture()
             pool = runner.pool
@@ -191,7 +198,9 @@ class LLMEngine:
             if not sizes:  # only batches above max_num_seqs would use this N
                 continue
             self.runner.graphs[n + 1] = capture(self.model, n + 1, sizes)
-            self.drafter_graphs[n + 1] = capture(self.proposer.drafter, n + 1, sizes)
+            graphed = GraphedContext(self.proposer.drafter, sizes[-1] * (n + 1), self.device)
+            self.drafter_contexts[n + 1] = graphed
+            self.drafter_graphs[n + 1] = capture(graphed.forward, n + 1, sizes)
             self._compile_draft_inputs(n)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

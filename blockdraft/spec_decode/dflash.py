@@ -31,8 +31,9 @@ from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash import DFlashDrafter
 from blockdraft.spec_decode.rejection_sampler import sample_drafts
 
-# run_block(inputs, num_reqs, block_tables [R, W] int64, max_seq_len) -> hidden [>= R * Q, H]
-RunBlockFn = Callable[[DFlashInputs, int, torch.Tensor, int], torch.Tensor]
+# run_block(inputs, num_reqs, block_tables [R, W] int64, max_seq_len, context features
+# [R * Q, K * H] to write first or None) -> hidden [>= R * Q, H]
+RunBlockFn = Callable[[DFlashInputs, int, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
 
 
 class DFlashProposer:
@@ -85,7 +86,10 @@ class DFlashProposer:
         num_reqs: int,  # R drafting requests (the inputs hold no padded ones)
         block_tables: torch.Tensor,  # [R, W] int64
         max_seq_len: int,  # an upper bound on inputs.seq_lens, known on the host
+        context: torch.Tensor | None = None,  # [R * Q, K * hidden]: features to write first
     ) -> torch.Tensor:  # [R * Q, hidden]
+        if context is not None:
+            self.write_context(context, inputs)
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping,
             query_start_loc=inputs.query_start_loc,
@@ -106,12 +110,15 @@ class DFlashProposer:
         max_seq_len: int,  # an upper bound on inputs.seq_lens, known on the host
         st: SamplingTensors,  # one row per drafting request, position = anchor position + 1
         num_drafts: int,  # N
+        context: torch.Tensor | None = None,  # [R * (N+1), K * hidden], see below
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # tokens [R, N] int64, probs [R, N, V]
         """Returns N draft tokens per request, and their probabilities [R, N, V] when any
         request samples (None when all are greedy). Both stay on the device: the next verify
-        reads them there, so proposing costs no host readback."""
+        reads them there, so proposing costs no host readback. `context`: this step's target
+        features when their K/V write was left to the block run (a uniform step, whose
+        context rows are the block rows), else None (written already)."""
         num_reqs, n = block_tables.shape[0], num_drafts
-        hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len)
+        hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len, context)
         draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)
         return sample_drafts(logits, st)
