@@ -62,7 +62,7 @@ def cut_prompt(chat, i, rng):
     ok = sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user"
     return chat if ok else None
 PY
-FROM=${FROM_ROUND:-1}  # FROM_ROUND=6: only round 6, from round 5's weights (git history)
+FROM=${FROM_ROUND:-1}  # FROM_ROUND=N (6, 7): rounds N on, from round N-1 as shipped (git history)
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
 if [ "$FROM" -le 5 ]; then
 # Round 1: a fresh 3-layer drafter on 5 target layers, cosine over 3,600 steps, stopped at 2,244.
@@ -153,6 +153,7 @@ blockdraft train-draft --data "$WORK/data_e_d.jsonl" --out "$WORK/round5" --max-
     --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round4/checkpoints/step_001572" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
 fi
+if [ "$FROM" -le 6 ]; then
 INIT6="$WORK/round5"
 if [ ! -f "$INIT6/model.safetensors" ]; then  # FROM_ROUND=6: round 5 as shipped until 7887201
     mkdir -p "$INIT6"
@@ -198,6 +199,44 @@ cat "$WORK/data_f.jsonl" "$WORK/data_f2.jsonl" > "$WORK/data_f_f2.jsonl"
 blockdraft train-draft --data "$WORK/data_f_f2.jsonl" --out "$WORK/round6" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT6" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2975
-cp "$WORK/round6/checkpoints/step_002975/config.json" \
-    "$WORK/round6/checkpoints/step_002975/model.safetensors" "$WORK/"
+fi
+# Round 7: every answer of > 200 characters cut again, at new points (same rule, seed 7),
+# shuffled, the first 20,000; from round 6's weights, batch 16, a new cosine over 3,000 steps.
+INIT7="$WORK/round6/checkpoints/step_002975"
+if [ ! -f "$INIT7/model.safetensors" ]; then  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
+    mkdir -p "$INIT7"
+    for f in config.json model.safetensors; do
+        git show "ae8b6e3:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT7/$f"
+    done
+fi
+cat > "$WORK/export7.py" <<'PY'
+import json, random, sys
+from blockdraft.train import load_sharegpt_chats
+
+work = sys.argv[1]
+sys.path.insert(0, work)
+from cut_answers import answers_of, cut_prompt
+
+rng = random.Random(7)
+prompts = [p for chat in load_sharegpt_chats() for i in answers_of(chat)
+           if (p := cut_prompt(chat, i, rng)) is not None]
+rng.shuffle(prompts)
+with open(f"{work}/prompts_g.json", "w") as f:
+    json.dump(prompts[:20000], f)
+PY
+python "$WORK/export7.py" "$WORK"
+python - "$WORK" <<'PY'
+import json, sys
+from blockdraft import LLM
+from blockdraft.train import regenerate
+
+work = sys.argv[1]
+llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
+regenerate(json.load(open(f"{work}/prompts_g.json")), f"{work}/data_g.jsonl", llm=llm,
+           max_tokens=256, max_prompt_tokens=768, batch_size=2048)
+PY
+blockdraft train-draft --data "$WORK/data_g.jsonl" --out "$WORK/round7" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$INIT7" \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
+cp "$WORK/round7/config.json" "$WORK/round7/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
