@@ -128,15 +128,21 @@ def record_drafts(llm: LLM) -> list[torch.Tensor]:
     return seen
 
 
-def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
+                                                                  temperature: float) -> None:
     """Steps where every request verifies N and proposes N write the context K/V inside the
     drafter graph (its persistent inputs loaded, no eager write); other steps write it eagerly
-    and leave the graph's context slots PAD. Every draft equals the eager engine's, so the
-    drafter's cache holds the same K/V either way."""
+    and leave the graph's context slots PAD. Every draft equals the eager engine's (greedy, and
+    sampled with per-request seeds), so the drafter's cache holds the same K/V either way."""
     target, drafter = pair
     spec = {"method": "dflash", "model": str(drafter)}
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 9, 14)]
-    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (10, 17, 24)]
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    params = [
+        SamplingParams(temperature=temperature, seed=seed + i, max_tokens=m, ignore_eos=True)
+        for i, m in enumerate((10, 17, 24))
+    ]
     plain = LLM(str(target), speculative_config=spec, max_model_len=64)
     expected_drafts = record_drafts(plain)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
