@@ -12,6 +12,25 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+# The embedded default target's shapes (SmolLM2-135M-Instruct), for random-weight benchmarks.
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
 
 def now() -> float:
     if torch.cuda.is_available():
@@ -133,3 +152,26 @@ def random_drafter_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tens
         weights[f"layers.{i}.self_attn.k_norm.weight"] = torch.ones(d)
     weights.update({name: torch.ones(h) for name in norms})
     return weights
+
+
+def start_requests(llm: object, prompt: list[int], batch: int, temperature: float = 0.0,
+                   warm_steps: int = 3) -> None:
+    """Adds `batch` endless requests (`probe0..`; seeded when sampling), runs them past their
+    prefill and `warm_steps` more steps: the steps after this are steady ones to time."""
+    from blockdraft import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=temperature, seed=0, max_tokens=100_000, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"probe{i}", prompt, params)
+    while engine.num_waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(warm_steps):
+        engine.step()
+
+
+def stop_requests(llm: object, batch: int) -> None:
+    for i in range(batch):
+        llm.engine.abort_request(f"probe{i}")

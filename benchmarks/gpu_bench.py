@@ -31,6 +31,8 @@ from benchmarks.common import (  # noqa: E402
     hardware,
     now,
     print_table,
+    start_requests,
+    stop_requests,
     write_dummy_drafter,
 )
 from blockdraft import LLM, SamplingParams  # noqa: E402
@@ -137,24 +139,13 @@ def mean_step_ms(
     phase: str = "",
 ) -> float:
     engine = llm.engine
-    params = SamplingParams(
-        temperature=temperature, seed=0, max_tokens=100_000, ignore_eos=True
-    )
-    for i in range(batch):
-        engine.add_request(f"probe{i}", prompt, params)
-    while engine.num_waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(3):
-        engine.step()
+    start_requests(llm, prompt, batch, temperature)
     with log.timed(phase) if log is not None else contextlib.nullcontext():
         t0 = now()
         for _ in range(steps):
             engine.step()
         elapsed = now() - t0
-    for i in range(batch):
-        engine.abort_request(f"probe{i}")
+    stop_requests(llm, batch)
     return elapsed / steps * 1e3
 
 

@@ -27,28 +27,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import TritonCompileLog, hardware, now, print_table  # noqa: E402
-from blockdraft import LLM, SamplingParams  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SMOLLM2_135M,
+    TritonCompileLog,
+    hardware,
+    now,
+    print_table,
+    start_requests,
+    stop_requests,
+)
+from blockdraft import LLM  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "blockdraft/assets/smollm2_135m_dflash"
-
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-}
-
 
 def model_dirs(tmp: Path, target_cfg: dict, drafter_dir: Path) -> tuple[Path, Path]:
     """A target directory holding only config.json, and a copy of the drafter's config.json
@@ -59,25 +49,6 @@ def model_dirs(tmp: Path, target_cfg: dict, drafter_dir: Path) -> tuple[Path, Pa
     (target / "config.json").write_text(json.dumps(target_cfg))
     shutil.copy(drafter_dir / "config.json", drafter / "config.json")
     return target, drafter
-
-
-def start_requests(llm: LLM, prompt: list[int], batch: int) -> None:
-    """`batch` endless greedy requests, run past their prefill and a few steps."""
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"probe{i}", prompt, params)
-    while engine.num_waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
-    ):
-        engine.step()
-    for _ in range(5):
-        engine.step()
-
-
-def stop_requests(llm: LLM, batch: int) -> None:
-    for i in range(batch):
-        llm.engine.abort_request(f"probe{i}")
 
 
 def step_ms(
@@ -91,7 +62,7 @@ def step_ms(
 ) -> tuple[list[float], float]:
     """(ms per step of each pass, tokens per step and request) over `passes` passes of `steps`
     steps of `batch` requests; kernels first specialised in pass i are logged as "label pass i"."""
-    start_requests(llm, prompt, batch)
+    start_requests(llm, prompt, batch, warm_steps=5)
     running = list(llm.engine.scheduler.running)
     before = sum(s.num_output_tokens for s in running)
     times = []
@@ -112,7 +83,7 @@ def profile_step(llm: LLM, prompt: list[int], steps: int, top: int) -> dict:
     steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    start_requests(llm, prompt, 1)
+    start_requests(llm, prompt, 1, warm_steps=5)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)

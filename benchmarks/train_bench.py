@@ -25,26 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import hardware, print_table  # noqa: E402
+from benchmarks.common import SMOLLM2_135M, hardware, print_table  # noqa: E402
 from blockdraft.train.trainer import TrainConfig, Trainer  # noqa: E402
 
-SMOLLM2_135M = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-    "max_position_embeddings": 8192,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 TINY = dict(
     SMOLLM2_135M,
     hidden_size=64,
