@@ -3,7 +3,9 @@
 On a GPU the target's and the drafter's forwards replay CUDA graphs; every other tensor op of
 a step is an eager launch the host pays for (a few microseconds each), which is what bounds a
 small target's step. This counts them on the CPU with a tiny random Qwen3 target and drafter
-(`load_format="dummy"`), per call site, for the AR and the DFlash step at T = 0 and T = 1.
+(`load_format="dummy"`), per call site, for the AR and the DFlash step at T = 0 and T = 1, with
+the graphs' CPU twins captured as the engine captures CUDA graphs on a GPU: whatever a replay
+runs (the forwards, and the drafter's context K/V write on steady steps) is not counted.
 Views count as ops here although they launch nothing, and on a GPU some sites run one Triton
 kernel where the CPU runs their torch twin (`kernels/select.py`): read the sites, not the
 total, as the launch budget.
@@ -28,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_dummy_drafter  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.engine.cuda_graphs import EagerGraph  # noqa: E402
 from blockdraft.models.decoder import DecoderLM  # noqa: E402
 from blockdraft.models.dflash import DFlashDrafter  # noqa: E402
 
@@ -67,26 +70,31 @@ class OpCounter(TorchDispatchMode):
 
     @contextlib.contextmanager
     def graphed(self) -> Iterator[None]:
-        """While active, the forwards of the target and the drafter are not counted."""
-        originals = {cls: cls.forward for cls in (DecoderLM, DFlashDrafter)}
+        """While active, the forwards of the target and the drafter, and whatever a graph
+        replay (its CPU twin) runs, are not counted."""
+        originals = {
+            (DecoderLM, "forward"): DecoderLM.forward,
+            (DFlashDrafter, "forward"): DFlashDrafter.forward,
+            (EagerGraph, "replay"): EagerGraph.replay,
+        }
 
-        def wrap(forward):  # noqa: ANN001, ANN202
-            def counted(module, *args, **kwargs):  # noqa: ANN001, ANN202
+        def wrap(method):  # noqa: ANN001, ANN202
+            def uncounted(obj, *args, **kwargs):  # noqa: ANN001, ANN202
                 self.depth += 1
                 try:
-                    return forward(module, *args, **kwargs)
+                    return method(obj, *args, **kwargs)
                 finally:
                     self.depth -= 1
 
-            return counted
+            return uncounted
 
-        for cls, forward in originals.items():
-            cls.forward = wrap(forward)
+        for (cls, name), method in originals.items():
+            setattr(cls, name, wrap(method))
         try:
             yield
         finally:
-            for cls, forward in originals.items():
-                cls.forward = forward
+            for (cls, name), method in originals.items():
+                setattr(cls, name, method)
 
 
 def count_step_ops(llm: LLM, temperature: float, steps: int) -> collections.Counter[str]:
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
         "AR": LLM(str(target), **kw),
         "DFlash": LLM(str(target), speculative_config=spec, **kw),
     }
+    for llm in engines.values():  # what a GPU engine captures at start, as CPU twins
+        llm.engine.capture_graphs([1])
     results: dict = {"steps": args.steps, "num_drafts": args.num_drafts, "rows": []}
     table = []
     for temperature in (0.0, 1.0):
