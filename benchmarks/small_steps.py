@@ -59,10 +59,11 @@ def step_ms(
     passes: int,
     log: TritonCompileLog,
     label: str,
+    temperature: float = 0.0,
 ) -> tuple[list[float], float]:
     """(ms per step of each pass, tokens per step and request) over `passes` passes of `steps`
     steps of `batch` requests; kernels first specialised in pass i are logged as "label pass i"."""
-    start_requests(llm, prompt, batch, warm_steps=5)
+    start_requests(llm, prompt, batch, temperature, warm_steps=5)
     running = list(llm.engine.scheduler.running)
     before = sum(s.num_output_tokens for s in running)
     times = []
@@ -77,13 +78,15 @@ def step_ms(
     return times, tokens / (steps * passes) / batch
 
 
-def profile_step(llm: LLM, prompt: list[int], steps: int, top: int) -> dict:
+def profile_step(
+    llm: LLM, prompt: list[int], steps: int, top: int, temperature: float = 0.0
+) -> dict:
     """GPU busy ms, launches per step (eager kernels, graph replays), the host's top Python
     functions by own time and blockdraft's functions by cumulative time, over `steps` batch-1
     steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    start_requests(llm, prompt, 1, warm_steps=5)
+    start_requests(llm, prompt, 1, temperature, warm_steps=5)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-drafts", type=int, nargs="+", default=[15, 7, 3])
     p.add_argument("--accept", type=float, default=0.55, help="synthetic acceptance rate")
+    p.add_argument("--temperature", type=float, default=0.0, help="requests' temperature (seeded)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="split the batch-1 steps")
     p.add_argument("--top", type=int, default=12, help="host functions listed")
@@ -147,8 +151,10 @@ def main(argv: list[str] | None = None) -> dict:
     kw = dict(device=args.device, load_format="dummy", max_model_len=max_len, seed=0)
     span = min(1000, target_cfg["vocab_size"] - 10)
     prompt = [(17 * i) % span + 10 for i in range(args.prompt_len)]
-    results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d"),
-                     "accept": args.accept, "rows": [], "profiles": {}}  # fmt: skip
+    results: dict = {
+        "hardware": hardware(), "date": time.strftime("%Y-%m-%d"), "accept": args.accept,
+        "temperature": args.temperature, "rows": [], "profiles": {},
+    }  # fmt: skip
     engines: list[tuple[str, int, dict]] = [("AR", 0, {})]
     for n in args.num_drafts:
         spec = {
@@ -165,7 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(str(target), **kw, **extra)
         label = name if not n else f"{name} N={n}"
         for batch in args.batches:
-            times, tokens = step_ms(llm, prompt, batch, args.steps, args.passes, log, label)
+            times, tokens = step_ms(
+                llm, prompt, batch, args.steps, args.passes, log, label, args.temperature
+            )
             ms = times[-1]  # the last pass: steady
             ar_ms.setdefault(batch, ms)
             ratio = ms / ar_ms[batch]
@@ -182,7 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
             )
             table.append([label, batch, times[0], ms, ratio, tokens, tokens / ratio])
         if args.profile:
-            results["profiles"][label] = profile_step(llm, prompt, args.steps, args.top)
+            results["profiles"][label] = profile_step(
+                llm, prompt, args.steps, args.top, args.temperature
+            )
         del llm
         gc.collect()
         if torch.cuda.is_available():
@@ -214,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
               p["wall_ms_under_cprofile"]] for label, p in results["profiles"].items()],
         )  # fmt: skip
     print_table(
-        f"step cost, {results['hardware']} (synthetic acceptance {args.accept})",
+        f"step cost, {results['hardware']} (synthetic acceptance {args.accept}, "
+        f"T = {args.temperature})",
         ["engine", "batch", "pass 1 ms", "step ms", "÷ AR step", "tokens/step", "speedup"],
         table,
     )

@@ -42,7 +42,8 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     assert "eager ops per step" in capsys.readouterr().out
 
 
-def test_small_steps_times_and_splits_the_steps(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("temperature", ["0", "1"])
+def test_small_steps_times_and_splits_the_steps(tmp_path, capsys, temperature: str) -> None:
     import json
 
     from benchmarks import small_steps
@@ -54,6 +55,7 @@ def test_small_steps_times_and_splits_the_steps(tmp_path, capsys) -> None:
     out = small_steps.main([
         "--steps", "3", "--passes", "2", "--num-drafts", "3", "--batches", "1", "2",
         "--accept", "1.0", "--prompt-len", "20", "--profile", "--device", "cpu",
+        "--temperature", temperature,
         "--target-config", str(tmp_path / "target.json"), "--drafter", str(drafter),
         "--json", str(tmp_path / "out.json"),
     ])  # fmt: skip
