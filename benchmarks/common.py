@@ -63,8 +63,8 @@ class TritonCompileLog:
 
     def __init__(self) -> None:
         self.phase: str | None = None  # the timed phase running now; None: untimed
-        self.events: list[tuple[str, str]] = []  # (phase, kernel name)
-        self.signatures: list[str] = []  # per event, triton's repr: the specialised arg types
+        # (phase, kernel name, triton's repr of the call: the specialised argument types)
+        self.events: list[tuple[str, str, str]] = []
         try:
             from triton import knobs
 
@@ -77,8 +77,8 @@ class TritonCompileLog:
         # Any signature: a hook that raised would break the compile it reports on.
         if self.phase is not None:
             fn = kwargs.get("fn")
-            self.events.append((self.phase, str(getattr(fn, "name", fn))))
-            self.signatures.append(str(kwargs.get("repr", "")))
+            kernel = str(getattr(fn, "name", fn))
+            self.events.append((self.phase, kernel, str(kwargs.get("repr", ""))))
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
@@ -90,7 +90,7 @@ class TritonCompileLog:
 
     def by_phase(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
-        for phase, kernel in self.events:
+        for phase, kernel, _ in self.events:
             out.setdefault(phase, []).append(kernel)
         return out
 
@@ -175,3 +175,15 @@ def start_requests(llm: object, prompt: list[int], batch: int, temperature: floa
 def stop_requests(llm: object, batch: int) -> None:
     for i in range(batch):
         llm.engine.abort_request(f"probe{i}")
+
+
+def device_kernels(prof: object) -> list[object]:
+    """The GPU kernels and copies of a finished torch.profiler run, by device time, largest
+    first (graph launches and the profiler's own entries left out)."""
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_time_total > 0 and e.key != "Activity Buffer Request"
+    ]
+    kernels = [e for e in events if not e.key.startswith(("cudaGraphLaunch", "ProfilerStep"))]
+    return sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)

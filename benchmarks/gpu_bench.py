@@ -28,6 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     TritonCompileLog,
+    device_kernels,
     hardware,
     now,
     print_table,
@@ -228,26 +229,15 @@ def profile_steps(llm: LLM, prompt: list[int], steps: int, label: str) -> list[l
     """Top CUDA kernels and the host/device split of `steps` batch-1 engine steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = llm.engine
-    engine.add_request(
-        "prof", prompt, SamplingParams(temperature=0, max_tokens=100_000, ignore_eos=True)
-    )
-    for _ in range(8):
-        engine.step()
+    start_requests(llm, prompt, 1, warm_steps=8)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = now()
         for _ in range(steps):
-            engine.step()
+            llm.engine.step()
         wall_ms = (now() - t0) * 1e3 / steps
-    engine.abort_request("prof")
-    events = [
-        e
-        for e in prof.key_averages()
-        if e.device_time_total > 0 and e.key != "Activity Buffer Request"
-    ]
-    kernels = [e for e in events if not e.key.startswith(("cudaGraphLaunch", "ProfilerStep"))]
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    stop_requests(llm, 1)
+    kernels = device_kernels(prof)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     rows = [[label, "step wall", wall_ms], [label, "GPU busy", gpu_ms]]
     rows += [[label, e.key[:60], e.self_device_time_total / 1e3 / steps] for e in kernels[:8]]

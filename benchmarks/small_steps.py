@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (  # noqa: E402
     SMOLLM2_135M,
     TritonCompileLog,
+    device_kernels,
     hardware,
     now,
     print_table,
@@ -93,12 +94,8 @@ def profile_step(
     with profile(activities=activities) as prof:
         for _ in range(steps):
             llm.engine.step()
-    events = prof.key_averages()
-    kernel_us = sum(
-        e.self_device_time_total for e in events if e.device_time_total > 0
-        and not e.key.startswith(("cudaGraphLaunch", "ProfilerStep", "Activity Buffer"))
-    )  # fmt: skip
-    count = {e.key: e.count for e in events}
+    kernel_us = sum(e.self_device_time_total for e in device_kernels(prof))
+    count = {e.key: e.count for e in prof.key_averages()}
     profiler = cProfile.Profile()
     t0 = now()
     profiler.enable()
@@ -206,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                                       strict=False)],
         )  # fmt: skip
     results["compiles"] = [
-        {"phase": phase, "kernel": kernel, "signature": sig}
-        for (phase, kernel), sig in zip(log.events, log.signatures, strict=True)
+        {"phase": phase, "kernel": kernel, "signature": sig} for phase, kernel, sig in log.events
     ]
     if log.events:
         print_table(
