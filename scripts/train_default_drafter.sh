@@ -201,7 +201,8 @@ blockdraft train-draft --data "$WORK/data_f_f2.jsonl" --out "$WORK/round6" --max
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2975
 fi
 # Round 7: every answer of > 200 characters cut again, at new points (same rule, seed 7),
-# shuffled, the first 20,000; from round 6's weights, batch 16, a new cosine over 3,000 steps.
+# shuffled, the first 20,000; from round 6's weights, batch 16, a new cosine over 3,000 steps,
+# stopped at 2,987 (where the shipped run's time limit stopped it).
 INIT7="$WORK/round6/checkpoints/step_002975"
 if [ ! -f "$INIT7/model.safetensors" ]; then  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
     mkdir -p "$INIT7"
@@ -237,6 +238,7 @@ regenerate(json.load(open(f"{work}/prompts_g.json")), f"{work}/data_g.jsonl", ll
 PY
 blockdraft train-draft --data "$WORK/data_g.jsonl" --out "$WORK/round7" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT7" \
-    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
-cp "$WORK/round7/config.json" "$WORK/round7/model.safetensors" "$WORK/"
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2987
+cp "$WORK/round7/checkpoints/step_002987/config.json" \
+    "$WORK/round7/checkpoints/step_002987/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
