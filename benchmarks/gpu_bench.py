@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -171,6 +172,11 @@ ABLATION = [
     ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
     ("DFlash", "T = 1, torch sampler", 2, True, True, True, "t1"),
     ("DFlash", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
+    # The defaults, with and without programmatic dependent launch (blockdraft.kernels.pdl).
+    ("AR", "defaults, PDL off", 16, True, True, True, "async no-pdl"),
+    ("AR", "defaults, PDL on", 16, True, True, True, "async"),
+    ("DFlash", "defaults, PDL off", 16, True, True, True, "no-pdl"),
+    ("DFlash", "defaults, PDL on", 16, True, True, True, ""),
 ]
 
 
@@ -189,11 +195,12 @@ def ablate(
     tokens compare only in shape). `only`: keep the rows whose "engine variant" contains it."""
     import gc
 
-    from blockdraft.kernels import select
+    from blockdraft.kernels import pdl, select
     from blockdraft.models import decoder
 
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
+    pdl_default = os.environ.get(pdl.ENV_VAR)
     todo = [r for r in ABLATION if only is None or only in f"{r[0]} {r[1]}"]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
@@ -201,7 +208,8 @@ def ablate(
         decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
         select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
         temperature = 1.0 if extra.startswith("t1") else 0.0
-        engine_kw = {**kw, "async_decode": extra == "async"}
+        engine_kw = {**kw, "async_decode": "async" in extra.split()}
+        os.environ[pdl.ENV_VAR] = "0" if "no-pdl" in extra.split() else "1"
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -217,6 +225,10 @@ def ablate(
         gc.collect()
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
+    if pdl_default is None:
+        os.environ.pop(pdl.ENV_VAR)
+    else:
+        os.environ[pdl.ENV_VAR] = pdl_default
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],

@@ -491,3 +491,4 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
         else:
             assert calls == ["linear"] * 12
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+

@@ -17,13 +17,12 @@ the call never waits on the device and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from blockdraft.kernels.forward_context import AttentionMetadata
+from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -144,7 +143,9 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -266,7 +267,9 @@ def _paged_attention_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -292,20 +295,13 @@ def _paged_attention_reduce_kernel(
     )
 
 
-@functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 16  # the CPU interpreter: any modest number keeps the heuristic meaningful
-
-
 def choose_num_splits(
     max_query_len: int, max_seq_len: int, num_seqs: int, num_kv_heads: int, device: torch.device
 ) -> int:
     """Split-K pays off when the unsplit grid leaves SMs idle and each split still streams a
     few key tiles: few query rows (decode, verify, drafter blocks) over long contexts."""
     programs = max(num_seqs * num_kv_heads, 1)
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if max_query_len > 16 or max_seq_len < 512 or programs >= sms:
         return 1
     want = -(-2 * sms // programs)  # about two waves of programs
@@ -385,6 +381,7 @@ def triton_paged_attention(
     # fp32 inputs mean a test or a debugging run asking for exact maths, not TF32.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
+    pdl = pdl_enabled(query.device)
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -422,8 +419,10 @@ def triton_paged_attention(
         USE_WINDOW=window is not None,
         SPLIT=split,
         INPUT_PRECISION=precision,
+        PDL=pdl,
         num_warps=num_warps or (4 if block_m * block_d <= 64 * 128 else 8),
         num_stages=num_stages or 2,
+        **launch_options(pdl),
     )
     if split:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](
@@ -438,6 +437,8 @@ def triton_paged_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            PDL=pdl,
             num_warps=1 if block_d <= 64 else 2,
+            **launch_options(pdl),
         )
     return out

@@ -51,6 +51,13 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.linear import skinny_linear_torch
+from blockdraft.kernels.pdl import (
+    launch_options,
+    num_sms,
+    pdl_enabled,
+    prefetch_bytes_per_row,
+    prefetch_l2,
+)
 
 __all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_torch"]
 
@@ -179,7 +186,7 @@ def _store_rows(
 
 # M is not specialised (Triton would compile M == 1 and M % 16 == 0 apart): one compile per
 # config serves every row count, and the clamps and store masks on M cost nothing here.
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "prefetch_bytes"])
 def _skinny_matmul_kernel(
     x_ptr,  # [M, K], unit column stride; with SILU_MUL [M, 2K], gate then up
     w_ptr,  # [N, K], unit column stride
@@ -199,6 +206,7 @@ def _skinny_matmul_kernel(
     stride_rom,
     k_per_split,  # a multiple of BLOCK_K
     eps,  # the norm's epsilon; with RMS_NORM
+    prefetch_bytes,  # with PDL: bytes of each W row (from the split's start) to prefetch, or 0
     BLOCK_M: tl.constexpr,  # 16 with USE_DOT; 1, 2 or 4 without
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -211,6 +219,7 @@ def _skinny_matmul_kernel(
     HAS_RESIDUAL: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # next_power_of_2(K) with RMS_NORM, else 1
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -226,6 +235,14 @@ def _skinny_matmul_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
     # Program 0 along N, split 0, stores the residual stream of its rows: one writer each.
     writer = (pid_n == 0) & (pid_k == 0)
+    if PDL:
+        # W is never written by the step: stream it towards L2 while the previous kernel
+        # finishes, then wait for that kernel before the first read of x.
+        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        nbytes = tl.minimum(prefetch_bytes, tl.maximum(k_len, 0) * elem_bytes // 16 * 16)
+        if nbytes > 0:
+            prefetch_l2(w_ptr + rows_n * stride_wn + k_start, nbytes)
+        tl.extra.cuda.gdc_wait()
     if USE_DOT:
         offs_m = m0 + tl.arange(0, BLOCK_M)
         rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
@@ -461,8 +478,10 @@ def _check_norm_args(
         raise ValueError("rms_norm and silu_mul_input do not combine")
     norm_weight = rms_norm[0]
     if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
-                         f"match x's last dim {x.shape[-1]} and dtype {x.dtype}")
+        raise ValueError(
+            f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
+            f"match x's last dim {x.shape[-1]} and dtype {x.dtype}"
+        )
     if (residual is None) != (residual_out is None):
         raise ValueError("a residual needs a residual_out (and residual_out a residual)")
     if residual is None:
@@ -518,8 +537,13 @@ def skinny_linear(
     if n == 0 or k == 0 or weight.stride(1) != 1:
         out.copy_(
             skinny_linear_torch(
-                x, weight, bias, silu_mul_input=silu_mul_input, rms_norm=rms_norm,
-                residual=residual, residual_out=residual_out,
+                x,
+                weight,
+                bias,
+                silu_mul_input=silu_mul_input,
+                rms_norm=rms_norm,
+                residual=residual,
+                residual_out=residual_out,
             )  # fmt: skip
         )
         return out
@@ -545,6 +569,19 @@ def skinny_linear(
     target = out_rows
     if split_k > 1:
         target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    pdl = pdl_enabled(x.device)
+    prefetch = 0
+    if pdl:
+        elem = weight.element_size()
+        aligned = (
+            weight.data_ptr() % 16 == 0
+            and (weight.stride(0) * elem) % 16 == 0
+            and (k_per_split * elem) % 16 == 0
+        )
+        prefetch = prefetch_bytes_per_row(
+            grid[0] * grid[1] * grid[2], cfg.block_n, k_per_split * elem, num_sms(x.device),
+            aligned,
+        )  # fmt: skip
     _skinny_matmul_kernel[grid](
         rows,
         weight,
@@ -564,6 +601,7 @@ def skinny_linear(
         res_out_rows.stride(0),
         k_per_split,
         eps,
+        prefetch,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -576,8 +614,10 @@ def skinny_linear(
         HAS_RESIDUAL=residual is not None,
         NORM_BLOCK=triton.next_power_of_2(k) if rms_norm is not None else 1,
         NUM_STAGES=cfg.num_stages,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )
     if split_k > 1:
         block = min(1024, triton.next_power_of_2(n))

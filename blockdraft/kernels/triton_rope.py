@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from blockdraft.kernels.rope import qk_norm_rope_store_torch, qk_norm_rope_torch
 
 __all__ = [
@@ -156,7 +157,9 @@ def _qk_norm_rope_kernel(
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,  # the key programs also write their keys and values to the cache
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -362,6 +365,7 @@ def _launch(
     k_w = k_norm_weight if k_norm_weight is not None else key
     value, key_cache, value_cache, slot_mapping = store or (key, k_out, k_out, positions)
     kc = key_cache.stride() if store else (0,) * 4
+    pdl = pdl_enabled(key.device)
     vc = value_cache.stride() if store else (0,) * 4
     _qk_norm_rope_kernel[grid](
         q,
@@ -407,6 +411,8 @@ def _launch(
         HAS_Q_NORM=query is not None and q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None,
         STORE_KV=store is not None,
+        PDL=pdl,
         num_warps=max(1, min(4, block_h * block_d // 256)),
+        **launch_options(pdl),
     )
     return q_out, k_out

@@ -1,0 +1,117 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode path's Triton kernels.
+
+A decode step is a chain of small kernels, and between two of them the GPU idles: the next
+kernel is launched only once the previous one has drained, and a kernel that streams weights
+ramps up over its first microseconds. Attention, RoPE and the norms move almost no bytes, so
+HBM also idles while they run. With PDL a kernel may start before its predecessor has
+finished: it must call `gdc_wait` before touching anything an earlier kernel writes, but what
+it does before that overlaps the predecessor. The skinny GEMM uses this window to prefetch its
+weight slice into L2 (weights are never written by the step), so that the o_proj read overlaps
+attention and every GEMM skips its ramp. The short kernels that precede a GEMM (RoPE + KV
+store, attention and its reduction) call `gdc_launch_dependents` at their start, which lets
+their successor launch at once; each of them is PDL-launched too and waits before its loads.
+
+`griddepcontrol.wait` returns at once when a kernel was launched without PDL, so the kernels
+stay correct in any order of launches. PDL is on for CUDA devices of compute capability 9.0+
+when this Triton has it and PDL_ON_HOPPER is set, off elsewhere (the CPU interpreter never sees
+the calls: they sit behind a constexpr); BLOCKDRAFT_PDL=1 / 0 overrides PDL_ON_HOPPER.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_VAR = "BLOCKDRAFT_PDL"
+# PDL under "auto" (BLOCKDRAFT_PDL unset) on devices that have it.
+PDL_ON_HOPPER = False
+# L2 bytes the first wave of a skinny GEMM may prefetch: inside the H100/H200's 50 MB, so
+# that prefetched lines are still there when the main loop reads them.
+L2_PREFETCH_BUDGET = 32 * 1024**2
+
+
+@functools.cache
+def _triton_has_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        from triton.language.extra import cuda
+    except ImportError:
+        return False
+    has_option = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+    return has_option and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+
+
+@functools.lru_cache(maxsize=16)
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9 and _triton_has_pdl()
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (see the module doc)."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    wanted = PDL_ON_HOPPER if choice in ("", "auto") else choice not in ("0", "off", "false")
+    if device.type != "cuda" or not wanted:
+        return False
+    return _device_has_pdl(device.index if device.index is not None else 0)
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 16  # the CPU interpreter: any modest number keeps the heuristics meaningful
+
+
+def launch_options(pdl: bool) -> dict:
+    """Extra launch keywords: `launch_pdl` only when on (older Triton and the interpreter do
+    not know it)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def prefetch_bytes_per_row(
+    num_programs: int,
+    block_n: int,
+    row_bytes: int,
+    num_sms: int,
+    aligned: bool,
+    budget: int = L2_PREFETCH_BUDGET,
+) -> int:
+    """Bytes of its W rows (from the split's start) each program prefetches before waiting: the
+    programs of the first wave (two per SM) share `budget`; 16-byte multiples (the bulk
+    prefetch's unit), 0 when the rows are not 16-byte aligned or the share is under 1 KB."""
+    if not aligned or num_programs <= 0 or block_n <= 0:
+        return 0
+    resident = min(num_programs, 2 * num_sms)
+    share = min(row_bytes, budget // (resident * block_n))
+    share -= share % 16
+    return share if share >= 1024 else 0
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """At a short kernel's start: let the next kernel launch, then wait for the previous one."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(
+    ptrs,  # [R] pointers, 16-byte aligned: the starts of R contiguous runs
+    nbytes,  # int32 scalar, a multiple of 16: bytes from each start
+):
+    """One bulk L2 prefetch per run (sm_90 `cp.async.bulk.prefetch.L2`); no data moves to
+    registers, so the kernel may go on (or wait) at once."""
+    sizes = tl.zeros(ptrs.shape, dtype=tl.int32) + nbytes
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, sizes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

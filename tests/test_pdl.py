@@ -1,0 +1,121 @@
+"""Programmatic dependent launch (`blockdraft.kernels.pdl`): when it is on, the L2 prefetch
+budget, and that the PDL variants of the decode path's kernels compile for Hopper (sm_90) with
+their wait / launch-dependents / prefetch instructions, which the CPU can check: Triton
+compiles to a cubin here, only the launch needs a GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from blockdraft.kernels import pdl  # noqa: E402
+
+
+def test_prefetch_budget() -> None:
+    """The first wave (two programs per SM) shares the L2 budget; 16-byte units; nothing for
+    unaligned rows or shares under 1 KB; never more than the row."""
+    budget = 32 * 1024**2
+    # o_proj at 16 rows: 128 programs of 32 rows, 8 KB rows: each whole row fits.
+    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True, budget) == 8192
+    # gate_up: 768 programs, 264 resident, 32 rows each: 32 MiB / (264 * 32) rounded to 16.
+    share = pdl.prefetch_bytes_per_row(768, 32, 8192, 132, True, budget)
+    assert share == budget // (264 * 32) // 16 * 16 and share * 264 * 32 <= budget
+    assert pdl.prefetch_bytes_per_row(768, 32, 8192, 132, False, budget) == 0
+    assert pdl.prefetch_bytes_per_row(10_000, 128, 8192, 132, True, budget) == 0  # < 1 KB
+    assert pdl.prefetch_bytes_per_row(0, 32, 8192, 132, True, budget) == 0
+
+
+def test_only_on_cuda(monkeypatch) -> None:
+    monkeypatch.setenv(pdl.ENV_VAR, "1")
+    assert not pdl.pdl_enabled(torch.device("cpu"))
+    assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # off by the environment alone
+
+
+# Compiles each kernel for sm_90 with PDL on and off and prints, per variant, how many
+# griddepcontrol and L2-prefetch instructions its PTX has. A subprocess: the test session runs
+# Triton's interpreter, whose kernels cannot be compiled.
+COMPILE_SCRIPT = r"""
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from blockdraft.kernels.triton_attention import (
+    _paged_attention_kernel, _paged_attention_reduce_kernel)
+from blockdraft.kernels.triton_linear import _skinny_matmul_kernel
+from blockdraft.kernels.triton_rope import _qk_norm_rope_kernel
+
+F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr")
+I32 = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr")
+I64 = ("positions_ptr", "slot_mapping_ptr")
+
+def signature(kernel, const, out_f32):
+    sig = {}
+    for name in kernel.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ("*fp32" if name in F32 or (out_f32 and name == "out_ptr") else
+                         "*i32" if name in I32 else "*i64" if name in I64 else "*bf16")
+        else:
+            sig[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
+    return sig
+
+def count(kernel, const, out_f32=False, **options):
+    src = ASTSource(fn=kernel, signature=signature(kernel, const, out_f32), constexprs=const)
+    opts = {"launch_pdl": True, **options} if const["PDL"] else options
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = c.asm["ptx"]
+    return {"wait": ptx.count("griddepcontrol.wait"),
+            "launch": ptx.count("griddepcontrol.launch_dependents"),
+            "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"])}
+
+skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
+              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
+variants = {
+    "skinny dot": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True), {}),
+    "skinny dot split-k": (_skinny_matmul_kernel,
+                           dict(skinny, BLOCK_M=16, USE_DOT=True, SPLIT_K=4), {"out_f32": True}),
+    "skinny 1 row + norm": (_skinny_matmul_kernel,
+                            dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=True,
+                                 HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),
+    "attention split": (_paged_attention_kernel,
+                        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
+                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32"),
+                        {}),
+    "attention reduce": (_paged_attention_reduce_kernel,
+                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),
+    "rope + kv store": (_qk_norm_rope_kernel,
+                        dict(BLOCK_H=8, BLOCK_D=64, HAS_Q_NORM=True, HAS_K_NORM=True,
+                             STORE_KV=True), {}),
+}
+out = {}
+for name, (kernel, const, kw) in variants.items():
+    for flag in (True, False):
+        out[f"{name} pdl={flag}"] = count(kernel, dict(const, PDL=flag), **kw)
+print(json.dumps(out))
+"""
+
+
+def test_pdl_kernels_compile_for_hopper() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=300)
+    if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
+        pytest.skip("this Triton has no ptxas to compile with")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, c in counts.items():
+        assert c["cubin"] > 0, name
+        if name.endswith("pdl=False"):
+            assert c["wait"] == c["launch"] == c["prefetch"] == 0, (name, c)
+        elif name.startswith("skinny"):
+            # Prefetch the weights, then wait; a GEMM lets its successor launch only on exit.
+            assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == 0, (name, c)
+        else:  # short kernels: let the next kernel launch, then wait
+            assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 0, (name, c)
