@@ -173,10 +173,10 @@ ABLATION = [
     ("DFlash", "T = 1, torch sampler", 2, True, True, True, "t1"),
     ("DFlash", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
     # The defaults, with and without programmatic dependent launch (blockdraft.kernels.pdl).
-    ("AR", "defaults, PDL off", 16, True, True, True, "async no-pdl"),
-    ("AR", "defaults, PDL on", 16, True, True, True, "async"),
-    ("DFlash", "defaults, PDL off", 16, True, True, True, "no-pdl"),
-    ("DFlash", "defaults, PDL on", 16, True, True, True, ""),
+    ("AR", "defaults, PDL off", 16, True, True, True, "async"),
+    ("AR", "defaults, PDL on", 16, True, True, True, "async pdl"),
+    ("DFlash", "defaults, PDL off", 16, True, True, True, ""),
+    ("DFlash", "defaults, PDL on", 16, True, True, True, "pdl"),
 ]
 
 
@@ -209,7 +209,7 @@ def ablate(
         select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
         temperature = 1.0 if extra.startswith("t1") else 0.0
         engine_kw = {**kw, "async_decode": "async" in extra.split()}
-        os.environ[pdl.ENV_VAR] = "0" if "no-pdl" in extra.split() else "1"
+        os.environ[pdl.ENV_VAR] = "1" if "pdl" in extra.split() else "0"
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
