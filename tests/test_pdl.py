@@ -30,6 +30,16 @@ def test_prefetch_budget() -> None:
     assert pdl.prefetch_bytes_per_row(0, 32, 8192, 132, True, budget) == 0
 
 
+def test_prefetch_chunks() -> None:
+    """Pieces per row: rows x pieces up to the program's thread count, none under 1 KB, powers
+    of two."""
+    assert pdl.prefetch_chunks(32, 4, 8192) == 4  # 128 lanes for 128 threads, 2 KB pieces
+    assert pdl.prefetch_chunks(8, 4, 8192) == 8  # 1 KB pieces: 64 lanes
+    assert pdl.prefetch_chunks(16, 8, 65536) == 16  # 256 lanes for 256 threads
+    assert pdl.prefetch_chunks(128, 4, 8192) == 1  # more rows than threads
+    assert pdl.prefetch_chunks(16, 4, 1024) == 1
+
+
 def test_only_on_cuda(monkeypatch) -> None:
     monkeypatch.setenv(pdl.ENV_VAR, "1")
     assert not pdl.pdl_enabled(torch.device("cpu"))
@@ -76,7 +86,7 @@ def count(kernel, const, out_f32=False, **options):
             "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"])}
 
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
-              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
+              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4)
 variants = {
     "skinny dot": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True), {}),
     "skinny dot split-k": (_skinny_matmul_kernel,

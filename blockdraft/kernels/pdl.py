@@ -72,6 +72,15 @@ def launch_options(pdl: bool) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def prefetch_chunks(block_n: int, num_warps: int, nbytes: int) -> int:
+    """Pieces per row for `prefetch_rows_l2`: enough that the program's threads each issue one
+    (power of two), none under 1 KB."""
+    chunks = 1
+    while block_n * chunks * 2 <= 32 * num_warps and nbytes // (chunks * 2) >= 1024:
+        chunks *= 2
+    return chunks
+
+
 def prefetch_bytes_per_row(
     num_programs: int,
     block_n: int,
@@ -100,17 +109,32 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(
-    ptrs,  # [R] pointers, 16-byte aligned: the starts of R contiguous runs
-    nbytes,  # int32 scalar, a multiple of 16: bytes from each start
+def prefetch_rows_l2(
+    base_ptr,  # W's element at (row 0, this split's first column)
+    row0,  # first row of this program
+    num_rows,  # N: rows past it are clamped to the last
+    stride_row,  # W's row stride, in elements
+    nbytes,  # int32, a multiple of 16: bytes from each row's start
+    ROWS: tl.constexpr,  # rows of this program (BLOCK_N)
+    CHUNKS: tl.constexpr,  # pieces per row, so that ROWS * CHUNKS lanes share the work
 ):
-    """One bulk L2 prefetch per run (sm_90 `cp.async.bulk.prefetch.L2`); no data moves to
-    registers, so the kernel may go on (or wait) at once."""
-    sizes = tl.zeros(ptrs.shape, dtype=tl.int32) + nbytes
+    """Bulk L2 prefetches (sm_90 `cp.async.bulk.prefetch.L2`) of `nbytes` from the start of each
+    of the program's rows, one instruction per (row, piece): a 1-D tensor of ROWS * CHUNKS
+    elements, one per thread when that is the thread count (a tensor smaller than the program's
+    threads would be replicated across them, and every copy issues its prefetch). No data moves
+    to registers, so the kernel may go on (or wait) at once."""
+    lane = tl.arange(0, ROWS * CHUNKS)
+    piece = lane % CHUNKS
+    row = tl.minimum(row0 + lane // CHUNKS, num_rows - 1).to(tl.int64)
+    chunk = nbytes // CHUNKS // 16 * 16
+    start = piece * chunk
+    size = tl.where(piece == CHUNKS - 1, nbytes - start, chunk)
+    elem_bytes: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
+    addr = base_ptr.to(tl.pointer_type(tl.int8)) + row * stride_row * elem_bytes + start
     tl.inline_asm_elementwise(
         "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
         "=r,l,r",
-        [ptrs, sizes],
+        [addr, size],
         dtype=tl.int32,
         is_pure=False,
         pack=1,

@@ -56,7 +56,8 @@ from blockdraft.kernels.pdl import (
     num_sms,
     pdl_enabled,
     prefetch_bytes_per_row,
-    prefetch_l2,
+    prefetch_chunks,
+    prefetch_rows_l2,
 )
 
 __all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_torch"]
@@ -220,6 +221,7 @@ def _skinny_matmul_kernel(
     NORM_BLOCK: tl.constexpr,  # next_power_of_2(K) with RMS_NORM, else 1
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
+    PREFETCH_CHUNKS: tl.constexpr,  # with PDL: pieces per W row of the L2 prefetch
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -238,10 +240,13 @@ def _skinny_matmul_kernel(
     if PDL:
         # W is never written by the step: stream it towards L2 while the previous kernel
         # finishes, then wait for that kernel before the first read of x.
+        # (A short trailing split skips it: its rows end before prefetch_bytes.)
         elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nbytes = tl.minimum(prefetch_bytes, tl.maximum(k_len, 0) * elem_bytes // 16 * 16)
-        if nbytes > 0:
-            prefetch_l2(w_ptr + rows_n * stride_wn + k_start, nbytes)
+        if prefetch_bytes > 0 and k_len * elem_bytes >= prefetch_bytes:
+            prefetch_rows_l2(
+                w_ptr + k_start, pid_n * BLOCK_N, N, stride_wn, prefetch_bytes, BLOCK_N,
+                PREFETCH_CHUNKS,
+            )  # fmt: skip
         tl.extra.cuda.gdc_wait()
     if USE_DOT:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -615,6 +620,7 @@ def skinny_linear(
         NORM_BLOCK=triton.next_power_of_2(k) if rms_norm is not None else 1,
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
+        PREFETCH_CHUNKS=prefetch_chunks(cfg.block_n, cfg.num_warps, prefetch) if prefetch else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(pdl),
