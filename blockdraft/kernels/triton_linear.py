@@ -483,10 +483,8 @@ def _check_norm_args(
         raise ValueError("rms_norm and silu_mul_input do not combine")
     norm_weight = rms_norm[0]
     if norm_weight.shape != x.shape[-1:] or norm_weight.dtype != x.dtype:
-        raise ValueError(
-            f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
-            f"match x's last dim {x.shape[-1]} and dtype {x.dtype}"
-        )
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} {norm_weight.dtype} does not "
+                         f"match x's last dim {x.shape[-1]} and dtype {x.dtype}")
     if (residual is None) != (residual_out is None):
         raise ValueError("a residual needs a residual_out (and residual_out a residual)")
     if residual is None:
@@ -542,13 +540,8 @@ def skinny_linear(
     if n == 0 or k == 0 or weight.stride(1) != 1:
         out.copy_(
             skinny_linear_torch(
-                x,
-                weight,
-                bias,
-                silu_mul_input=silu_mul_input,
-                rms_norm=rms_norm,
-                residual=residual,
-                residual_out=residual_out,
+                x, weight, bias, silu_mul_input=silu_mul_input, rms_norm=rms_norm,
+                residual=residual, residual_out=residual_out,
             )  # fmt: skip
         )
         return out

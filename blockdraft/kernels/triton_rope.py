@@ -365,8 +365,8 @@ def _launch(
     k_w = k_norm_weight if k_norm_weight is not None else key
     value, key_cache, value_cache, slot_mapping = store or (key, k_out, k_out, positions)
     kc = key_cache.stride() if store else (0,) * 4
-    pdl = pdl_enabled(key.device)
     vc = value_cache.stride() if store else (0,) * 4
+    pdl = pdl_enabled(key.device)
     _qk_norm_rope_kernel[grid](
         q,
         key,
