@@ -521,3 +521,44 @@ def test_time_limit_stops_with_a_resumable_checkpoint(
     rest = Trainer(train_config(setup, tmp_path, steps=8, resume=True)).fit()
     assert rest.step == 8 and rest.history[0].step == part.step + 1
     assert (tmp_path / "model.safetensors").is_file()
+
+
+def test_grown_drafter_starts_as_the_trained_one(setup: dict[str, Path], tmp_path: Path,
+                                                 rng) -> None:
+    """--grow-layers: the trained layers are loaded, the added ones start as the identity
+    (zero output projections, other weights random), so the deeper drafter's logits equal the
+    trained drafter's; the target layers stay pinned; it trains and saves as a z-lab
+    checkpoint with the new depth."""
+    small = Trainer(train_config(setup, tmp_path / "small", steps=2, num_layers=2))
+    small.fit()
+    grown = Trainer(train_config(setup, tmp_path / "grown", steps=2, init_drafter=str(
+        tmp_path / "small"), grow_layers=2))
+    params = dict(grown.drafter.named_parameters())
+    assert grown.dcfg.body.num_layers == 4
+    assert grown.dcfg.target_layer_ids == small.dcfg.target_layer_ids
+    for name, p in small.drafter.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(params[name], p), name
+    for i in (2, 3):
+        assert not params[f"layers.{i}.self_attn.o_proj.weight"].any()
+        assert not params[f"layers.{i}.mlp.down_proj.weight"].any()
+        assert params[f"layers.{i}.self_attn.q_proj.weight"].abs().sum() > 0
+
+    b = small.cfg.block_size
+    seqs = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (19, 11)]
+    anchors = [torch.tensor([2, 9, 15]), torch.tensor([0, 6])]
+    layout = pack_blocks(seqs, anchors, b, small.dcfg.mask_token_id)
+    features = small.features(layout.input_ids, layout.seq_lens)
+    ref = train_logits(small.drafter, layout, features)
+    got = train_logits(grown.drafter, layout, features)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+    grown.fit()
+    saved = json.loads((tmp_path / "grown" / "config.json").read_text())
+    assert saved["num_hidden_layers"] == 4 and len(saved["layer_types"]) == 4
+    assert saved["dflash_config"]["target_layer_ids"] == list(small.dcfg.target_layer_ids)
+    loaded = load_drafter(str(tmp_path / "grown"), grown.target, 256, torch.float32,
+                          torch.device("cpu"))
+    assert loaded.layers[3].self_attn.o_proj.weight.abs().sum() > 0  # it trained
+    with pytest.raises(ValueError, match="grow_layers"):
+        train_config(setup, tmp_path / "bad", grow_layers=1)

@@ -28,6 +28,12 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--target-layer-ids", type=_int_list, default=None, help="e.g. 2,15,27")
     g.add_argument("--num-target-features", type=int, default=None)
     g.add_argument("--init-drafter", default=None, help="start from this drafter checkpoint")
+    g.add_argument(
+        "--grow-layers",
+        type=int,
+        default=0,
+        help="with --init-drafter: add this many layers on top, starting as the identity",
+    )
     g = p.add_argument_group("regeneration")
     g.add_argument("--num-prompts", type=int, default=None)
     g.add_argument("--max-tokens", type=int, default=512, help="response length cap")
@@ -86,6 +92,7 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         target_layer_ids=args.target_layer_ids,
         num_target_features=args.num_target_features,
         init_drafter=args.init_drafter,
+        grow_layers=args.grow_layers,
         num_prompts=args.num_prompts,
         regen_max_tokens=args.max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,

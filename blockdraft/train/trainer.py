@@ -86,6 +86,9 @@ class TrainConfig:
     target_layer_ids: list[int] | None = None  # None: z-lab's default rule
     num_target_features: int | None = None  # number of default target layers (None: num_layers)
     init_drafter: str | None = None
+    # layers added on top of `init_drafter`'s, each starting as the identity (its attention and
+    # MLP output projections zero): a deeper drafter that begins where the trained one is
+    grow_layers: int = 0
     # regeneration (when `data` holds prompts)
     num_prompts: int | None = None
     regen_max_tokens: int = 512
@@ -150,6 +153,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive")
         if self.block_size < 2:
             raise ValueError("block_size must be at least 2")
+        if self.grow_layers < 0 or (self.grow_layers and not self.init_drafter):
+            raise ValueError("grow_layers must be >= 0 and needs init_drafter")
         if self.steps is not None and self.steps < 1:
             raise ValueError("steps must be positive")
         if self.fused_loss:
@@ -353,7 +358,7 @@ class Trainer:
         if cfg.init_drafter:
             hf = json.loads((Path(cfg.init_drafter) / "config.json").read_text())
             hf.pop("torch_dtype", None)
-            return hf
+            return grow_drafter_config(hf, cfg.grow_layers)
         mask = cfg.mask_token_id
         if mask is None:
             mask = default_mask_token_id(self.tokenizer, target_hf)
@@ -367,18 +372,27 @@ class Trainer:
         )
 
     def _init_weights(self) -> None:
-        if self.cfg.init_drafter:
-            ckpt = read_checkpoint(self.cfg.init_drafter)
-            load_weights(
-                trainable_parameters(self.drafter),
-                iter_checkpoint_tensors(ckpt),
-                self.cfg.init_drafter,
-                ignore=lambda name: (
-                    name.startswith(("embed_tokens.", "lm_head.")) or "rotary_emb" in name
-                ),
-            )
-        else:
-            init_drafter_weights(self.drafter, self.cfg.seed)
+        cfg = self.cfg
+        if not cfg.init_drafter:
+            init_drafter_weights(self.drafter, cfg.seed)
+            return
+        params = trainable_parameters(self.drafter)
+        num_layers = self.dcfg.body.num_layers
+        new = {f"layers.{i}." for i in range(num_layers - cfg.grow_layers, num_layers)}
+        if new:
+            init_drafter_weights(self.drafter, cfg.seed)
+        load_weights(
+            {name: p for name, p in params.items() if not name.startswith(tuple(new))},
+            iter_checkpoint_tensors(read_checkpoint(cfg.init_drafter)),
+            cfg.init_drafter,
+            ignore=lambda name: (
+                name.startswith(("embed_tokens.", "lm_head.")) or "rotary_emb" in name
+            ),
+        )
+        with torch.no_grad():
+            for name, p in params.items():
+                if name.startswith(tuple(new)) and name.endswith(OUTPUT_PROJECTIONS):
+                    p.zero_()
 
     def _resume(self) -> None:
         found = _checkpoint_dirs(self.out_dir)
@@ -581,6 +595,28 @@ class Trainer:
             summary = {"step": self.step, "eval_acceptance_length": result.eval_acceptance_length}
             (self.out_dir / "eval.json").write_text(json.dumps(summary) + "\n")
         return result
+
+
+# A layer whose residual branches end in zeros adds nothing to the stream: the identity.
+OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def grow_drafter_config(hf: dict, grow_layers: int) -> dict:
+    """`hf` (a drafter's config.json) with `grow_layers` more layers, each of the last layer's
+    attention type; the target layers it reads are pinned (z-lab's default rule depends on the
+    layer count)."""
+    if not grow_layers:
+        return hf
+    layer_ids = list(DFlashConfig.from_hf(hf).target_layer_ids)
+    hf = dict(hf)
+    hf["dflash_config"] = {**hf.get("dflash_config", {}), "target_layer_ids": layer_ids}
+    n = hf["num_hidden_layers"]
+    hf["num_hidden_layers"] = n + grow_layers
+    if hf.get("layer_types"):
+        hf["layer_types"] = list(hf["layer_types"]) + [hf["layer_types"][-1]] * grow_layers
+    if hf.get("max_window_layers") == n:
+        hf["max_window_layers"] = n + grow_layers
+    return hf
 
 
 def train_drafter(cfg: TrainConfig) -> TrainResult:
