@@ -15,7 +15,8 @@ from blockdraft.spec_decode.draft_schedule import check_draft_schedule, is_posit
 class SpeculativeConfig:
     model: str  # DFlash drafter directory; "default": the drafter shipped for the default target
     method: str = "dflash"
-    num_speculative_tokens: int | None = None  # default: drafter block_size - 1
+    # default: the drafter's block_size - 1; at most 2 on the CPU (draft_schedule.py says why)
+    num_speculative_tokens: int | None = None
     # Draft tokens per step by batch size, {at least this many running requests: N}, e.g.
     # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens. "auto": a schedule on
     # CUDA (see blockdraft.spec_decode.draft_schedule), fixed N on the CPU; None: fixed N.

@@ -53,7 +53,8 @@ def test_padded_replay_equals_eager_forward(pair, rng) -> None:
 @pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
 def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) -> None:
     target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter)} if speculative else None
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7} if speculative \
+        else None
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(str(target), speculative_config=spec, max_model_len=64)
@@ -87,7 +88,8 @@ def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
     the buckets of 3+ requests and for N = 7 at those of 1-2, and requests finishing at
     different lengths replay both without changing the output."""
     target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens_by_batch": {3: 3}}
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7,
+            "num_speculative_tokens_by_batch": {3: 3}}
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
     params = [
         SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 15, 22, 30)
@@ -136,7 +138,7 @@ def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
     and leave the graph's context slots PAD. Every draft equals the eager engine's (greedy, and
     sampled with per-request seeds), so the drafter's cache holds the same K/V either way."""
     target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter)}
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 9, 14)]
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     params = [

@@ -180,7 +180,7 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
         (drafter / "config.json").write_text(json.dumps(cfg))
     # Drafter logits of the first step, computed by z-lab's DFlashDraftModel.
     ref_logits = zlab_first_draft_logits(target, drafter, prompt)
-    llm = LLM(str(target), speculative_config=spec(drafter, None), block_size=4)
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
     seen: list[torch.Tensor] = []
     proposer = llm.engine.proposer
     original = proposer.drafter.compute_logits

@@ -122,7 +122,8 @@ def plain(checkpoints: dict[str, Path]) -> Iterator[Served]:
 def spec(checkpoints: dict[str, Path]) -> Iterator[Served]:
     config = EngineConfig(
         model=str(checkpoints["predictable"]),
-        speculative_config={"method": "dflash", "model": str(checkpoints["drafter"])},
+        speculative_config={"method": "dflash", "model": str(checkpoints["drafter"]),
+                            "num_speculative_tokens": 15},
     )
     with serve(LLMEngine(config)) as served:
         yield served

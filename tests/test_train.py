@@ -404,7 +404,8 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(setup: dict[str, Path],
     prompt = load_samples(setup["data"])[-1].input_ids[:9]
     ref = zlab_first_draft_logits(setup["target"], tmp_path / "out", prompt)
     llm = LLM(str(setup["target"]),
-              speculative_config={"method": "dflash", "model": str(tmp_path / "out")})
+              speculative_config={"method": "dflash", "model": str(tmp_path / "out"),
+                                  "num_speculative_tokens": 7})
     seen: list[torch.Tensor] = []
     original = llm.engine.proposer.drafter.compute_logits
     llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]

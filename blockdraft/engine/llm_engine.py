@@ -49,7 +49,7 @@ from blockdraft.models.model_config import TransformerConfig
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.dflash import DFlashProposer
-from blockdraft.spec_decode.draft_schedule import DraftSchedule
+from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -81,7 +81,9 @@ class LLMEngine:
         if spec is not None:  # a drafter that does not fit fails here, before any weights load
             draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
             draft_cfg.check_fits(target_cfg)
-            self.num_spec = spec.num_speculative_tokens or draft_cfg.block_size - 1
+            self.num_spec = spec.num_speculative_tokens or default_num_drafts(
+                draft_cfg.block_size, self.device.type
+            )
             if self.num_spec > draft_cfg.block_size - 1:
                 raise ValueError(
                     f"num_speculative_tokens {self.num_spec} exceeds the drafter's "

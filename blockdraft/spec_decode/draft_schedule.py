@@ -19,6 +19,21 @@ from dataclasses import dataclass
 # "auto" on CUDA: from this many running requests on, draft at most AUTO_NUM_DRAFTS tokens.
 AUTO_MIN_BATCH = 24
 AUTO_NUM_DRAFTS = 7
+# num_speculative_tokens left unset on the CPU: at most this many. There every verify row
+# costs compute (a 16-row verify + draft of SmolLM2-135M is ~20x the FLOPs of a decode step),
+# so only the first drafts, the likeliest to be accepted, pay for their rows: with the shipped
+# drafter on 2 cores, N = 1 / 2 / 3 / 5 / 15 gave 1.23 / 1.39 / 1.14 / 1.05 / 0.80x plain
+# decoding on GSM8K (BENCHMARKS.md). On a GPU the verify rows are nearly free at small
+# batches: the whole block.
+CPU_DEFAULT_NUM_DRAFTS = 2
+
+
+def default_num_drafts(block_size: int, device_type: str) -> int:
+    """num_speculative_tokens when the config leaves it unset: the drafter's block_size - 1,
+    at most CPU_DEFAULT_NUM_DRAFTS on the CPU."""
+    if device_type != "cuda":
+        return min(block_size - 1, CPU_DEFAULT_NUM_DRAFTS)
+    return block_size - 1
 
 
 def is_positive_int(value: object) -> bool:
