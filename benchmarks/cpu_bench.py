@@ -76,7 +76,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = load_gguf(default_model_path())
-    llm = LLM(max_model_len=2048)
+    llm = LLM(max_model_len=2048, speculative_config=None)
     prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}]), add_special_tokens=False)
     model = hf_model(ckpt.state_dict, ckpt.hf_config)

@@ -13,7 +13,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft",
         default=None,
-        help="DFlash drafter directory, or 'default': the drafter shipped for the default target",
+        help="DFlash drafter directory; 'default': the drafter shipped for the default target; "
+        "'none': no speculation (unset: the default target speculates with its drafter on the "
+        "CPU, nothing else does)",
     )
     p.add_argument("--num-speculative-tokens", type=int, default=None)
     p.add_argument(
@@ -30,7 +32,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def _speculative_config(args: argparse.Namespace) -> dict | None:
+def _speculative_config(args: argparse.Namespace) -> dict | str | None:
+    if args.draft == "none":
+        return None
+    if not args.draft and not args.speculative_config:
+        return "auto"
     spec = _parse_speculative_json(args.speculative_config) if args.speculative_config else None
     if args.draft:
         spec = {"method": "dflash", **(spec or {}), "model": args.draft}
@@ -155,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench, save_plot
 
     kwargs = _engine_kwargs(args)
-    if kwargs["speculative_config"] is None:
+    if kwargs["speculative_config"] in (None, "auto"):
         raise ValueError(
             "bench compares DFlash with autoregressive decoding: give --draft or "
             "--speculative-config"

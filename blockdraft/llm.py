@@ -18,7 +18,8 @@ Prompt = str | list[int]
 class LLM:
     """`LLM(model=..., speculative_config={"method": "dflash", "model": DRAFT})`.
 
-    With no `model`, the embedded SmolLM2-135M-Instruct is used. Other keyword arguments are
+    With no `model`, the embedded SmolLM2-135M-Instruct is used, on the CPU with its shipped
+    drafter (`speculative_config="auto"`; None turns speculation off). Other keyword arguments are
     EngineConfig fields (blockdraft/config.py), e.g. `async_decode=True`.
     """
 
@@ -26,7 +27,7 @@ class LLM:
         self,
         model: str | None = None,
         *,
-        speculative_config: SpeculativeConfig | dict | None = None,
+        speculative_config: SpeculativeConfig | dict | str | None = "auto",
         **engine_args: object,
     ) -> None:
         self.config = EngineConfig(

@@ -29,6 +29,22 @@ def test_generate_prints_text_speed_and_spec_stats(pair, capsys) -> None:
     assert "speculative decoding:" in spec[2] and "mean acceptance length" in spec[2]
 
 
+def test_default_target_speculates_unless_draft_none(capsys) -> None:
+    """Unset --draft: the default target drafts with its shipped drafter on the CPU; --draft
+    none turns speculation off; the text is the same."""
+    base = ["generate", "The capital of France is", "--raw", "--max-tokens", "8", "--device", "cpu"]
+    main(base)
+    auto = capsys.readouterr().out
+    main([*base, "--draft", "none"])
+    off = capsys.readouterr().out
+
+    def text(out: str) -> list[str]:  # the generated text: the lines before the "[...]" stats
+        return [line for line in out.splitlines() if not line.startswith("[")]
+
+    assert text(auto) == text(off) and text(auto)
+    assert "speculative decoding:" in auto and "speculative decoding:" not in off
+
+
 def test_errors_are_one_line_with_exit_code_2(pair, capsys, tmp_path: Path) -> None:
     target, drafter = pair
     with pytest.raises(SystemExit) as exc:

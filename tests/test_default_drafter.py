@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.assets import default_drafter_path
+from blockdraft.config import EngineConfig
 from blockdraft.models.dflash import DFlashConfig
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
 from blockdraft.models.model_config import TransformerConfig
@@ -69,12 +70,27 @@ def test_default_drafter_needs_the_default_target(tmp_path: Path) -> None:
         LLM(str(tmp_path), speculative_config=DEFAULT_SPEC)
 
 
+def test_on_by_default_for_the_default_target_on_the_cpu(tmp_path: Path) -> None:
+    """speculative_config="auto" (the default): the shipped drafter for the default target on
+    the CPU; nothing for another target, on a GPU, or with random weights; None: off."""
+    assert str(EngineConfig().speculative_config.model) == str(default_drafter_path())
+    assert EngineConfig(speculative_config=None).speculative_config is None
+    assert EngineConfig(model=str(tmp_path)).speculative_config is None
+    assert EngineConfig(device="cuda").speculative_config is None
+    assert EngineConfig(load_format="dummy").speculative_config is None
+    with pytest.raises(ValueError, match="'auto' or None"):
+        EngineConfig(speculative_config="fast")
+
+
 def test_lossless_and_accepting() -> None:
+    """The default LLM() (the drafter on, 2 drafts a step on the CPU) gives plain decoding's
+    tokens and accepts drafts."""
     questions = random_questions(3)
     params = SamplingParams(temperature=0, max_tokens=40)
     chats = [[{"role": "user", "content": q}] for q in questions]
-    plain = LLM(max_model_len=512).chat(chats, params, use_tqdm=False)
-    llm = LLM(max_model_len=512, speculative_config=DEFAULT_SPEC)
+    plain = LLM(max_model_len=512, speculative_config=None).chat(chats, params, use_tqdm=False)
+    llm = LLM(max_model_len=512)
+    assert llm.engine.num_spec == 2
     fast = llm.chat(chats, params, use_tqdm=False)
     for p, f in zip(plain, fast, strict=True):
         assert f.outputs[0].token_ids == p.outputs[0].token_ids
