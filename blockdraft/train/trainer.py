@@ -378,11 +378,11 @@ class Trainer:
             return
         params = trainable_parameters(self.drafter)
         num_layers = self.dcfg.body.num_layers
-        new = {f"layers.{i}." for i in range(num_layers - cfg.grow_layers, num_layers)}
+        new = tuple(f"layers.{i}." for i in range(num_layers - cfg.grow_layers, num_layers))
         if new:
             init_drafter_weights(self.drafter, cfg.seed)
         load_weights(
-            {name: p for name, p in params.items() if not name.startswith(tuple(new))},
+            {name: p for name, p in params.items() if not name.startswith(new)},
             iter_checkpoint_tensors(read_checkpoint(cfg.init_drafter)),
             cfg.init_drafter,
             ignore=lambda name: (
@@ -391,7 +391,7 @@ class Trainer:
         )
         with torch.no_grad():
             for name, p in params.items():
-                if name.startswith(tuple(new)) and name.endswith(OUTPUT_PROJECTIONS):
+                if name.startswith(new) and name.endswith(OUTPUT_PROJECTIONS):
                     p.zero_()
 
     def _resume(self) -> None:
