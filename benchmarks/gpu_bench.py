@@ -154,7 +154,9 @@ def mean_step_ms(
 # (engine, name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY,
 #  FUSE_KV_STORE_INTO_ROPE, extra); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
 # extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
-# "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA).
+# "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
+# "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
+# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB.
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
     ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
@@ -172,11 +174,13 @@ ABLATION = [
     ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
     ("DFlash", "T = 1, torch sampler", 2, True, True, True, "t1"),
     ("DFlash", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
-    # The defaults, with and without programmatic dependent launch (blockdraft.kernels.pdl).
-    ("AR", "defaults, PDL off", 16, True, True, True, "async"),
-    ("AR", "defaults, PDL on", 16, True, True, True, "async pdl"),
-    ("DFlash", "defaults, PDL off", 16, True, True, True, ""),
-    ("DFlash", "defaults, PDL on", 16, True, True, True, "pdl"),
+    # Programmatic dependent launch (blockdraft.kernels.pdl): the defaults put it in decode
+    # forwards only (a DFlash step has none at batch 1 and 8), against off and every launch.
+    ("AR", "defaults (PDL in decode forwards)", 16, True, True, True, "async"),
+    ("AR", "PDL off", 16, True, True, True, "async nopdl"),
+    ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
+    ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
+    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl"),
 ]
 
 
@@ -200,7 +204,8 @@ def ablate(
 
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
-    pdl_default = os.environ.get(pdl.ENV_VAR)
+    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR)
+    env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or only in f"{r[0]} {r[1]}"]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
         decoder.SKINNY_MAX_ROWS = max_rows
@@ -208,8 +213,11 @@ def ablate(
         decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
         select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
         temperature = 1.0 if extra.startswith("t1") else 0.0
-        engine_kw = {**kw, "async_decode": "async" in extra.split()}
-        os.environ[pdl.ENV_VAR] = "1" if "pdl" in extra.split() else "0"
+        flags = extra.split()
+        engine_kw = {**kw, "async_decode": "async" in flags}
+        os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
+        prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
+        os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -225,10 +233,11 @@ def ablate(
         gc.collect()
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
-    if pdl_default is None:
-        os.environ.pop(pdl.ENV_VAR)
-    else:
-        os.environ[pdl.ENV_VAR] = pdl_default
+    for name, value in env_default.items():
+        if value is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = value
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from blockdraft.kernels import pdl  # noqa: E402
+from blockdraft.kernels.forward_context import AttentionMetadata, forward_context  # noqa: E402
 
 
 def test_prefetch_budget() -> None:
@@ -28,6 +29,50 @@ def test_prefetch_budget() -> None:
     assert pdl.prefetch_bytes_per_row(768, 32, 8192, 132, False, budget) == 0
     assert pdl.prefetch_bytes_per_row(10_000, 128, 8192, 132, True, budget) == 0  # < 1 KB
     assert pdl.prefetch_bytes_per_row(0, 32, 8192, 132, True, budget) == 0
+
+
+def test_prefetch_budget_from_environment(monkeypatch) -> None:
+    """No prefetch unless BLOCKDRAFT_PDL_PREFETCH_MIB asks for a budget; bad values are
+    named."""
+    monkeypatch.delenv(pdl.PREFETCH_ENV_VAR, raising=False)
+    assert pdl.l2_prefetch_budget() == pdl.L2_PREFETCH_BUDGET == 0
+    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True) == 0
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "16")
+    assert pdl.l2_prefetch_budget() == 16 * 1024**2
+    share = pdl.prefetch_bytes_per_row(768, 32, 8192, 132, True)
+    assert 1024 <= share and share * 264 * 32 <= 16 * 1024**2
+    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "0")
+    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True) == 0
+    for bad in ("-1", "lots", "nan"):
+        monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=pdl.PREFETCH_ENV_VAR):
+            pdl.l2_prefetch_budget()
+
+
+def _metadata(max_query_len: int) -> AttentionMetadata:
+    empty = torch.zeros(0, dtype=torch.int64)
+    return AttentionMetadata(empty, empty, empty, empty.view(0, 1), max_query_len, 64, 16)
+
+
+def test_policy_decode_forwards_only(monkeypatch) -> None:
+    """Unset: PDL only inside a forward whose requests each have one query row (decode), on a
+    device that has it; =1 everywhere; =0 nowhere; never on the CPU."""
+    monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: True)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
+    assert not pdl.pdl_enabled(cuda)  # outside a forward (the LM head, samplers)
+    with forward_context(_metadata(1)):
+        assert pdl.pdl_enabled(cuda) and not pdl.pdl_enabled(torch.device("cpu"))
+        monkeypatch.setenv(pdl.ENV_VAR, "0")
+        assert not pdl.pdl_enabled(cuda)
+        monkeypatch.delenv(pdl.ENV_VAR)
+    with forward_context(_metadata(16)):  # verify / drafter block
+        assert not pdl.pdl_enabled(cuda)
+        monkeypatch.setenv(pdl.ENV_VAR, "1")
+        assert pdl.pdl_enabled(cuda)
+    assert pdl.pdl_enabled(cuda)
+    monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: False)  # pre-Hopper / old Triton
+    assert not pdl.pdl_enabled(cuda)
 
 
 def test_prefetch_chunks() -> None:

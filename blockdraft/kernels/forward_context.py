@@ -54,6 +54,11 @@ def forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
         _current = previous
 
 
+def current_attention_metadata() -> AttentionMetadata | None:
+    """The forward's metadata, or None outside any forward (kernels that only tune on it)."""
+    return _current
+
+
 def get_attention_metadata() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention layer called outside forward_context()")

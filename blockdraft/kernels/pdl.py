@@ -5,16 +5,26 @@ kernel is launched only once the previous one has drained, and a kernel that str
 ramps up over its first microseconds. Attention, RoPE and the norms move almost no bytes, so
 HBM also idles while they run. With PDL a kernel may start before its predecessor has
 finished: it must call `gdc_wait` before touching anything an earlier kernel writes, but what
-it does before that overlaps the predecessor. The skinny GEMM uses this window to prefetch its
-weight slice into L2 (weights are never written by the step), so that the o_proj read overlaps
-attention and every GEMM skips its ramp. The short kernels that precede a GEMM (RoPE + KV
-store, attention and its reduction) call `gdc_launch_dependents` at their start, which lets
-their successor launch at once; each of them is PDL-launched too and waits before its loads.
+it does before that (its launch, its ramp) overlaps the predecessor. The skinny GEMM can use
+this window to prefetch its weight slice into L2 (weights are never written by the step; off
+by default, see below). The short kernels that precede a GEMM (RoPE + KV store, attention and
+its reduction) call `gdc_launch_dependents` at their start, which lets their successor launch
+at once; each of them is PDL-launched too and waits before its loads.
 
 `griddepcontrol.wait` returns at once when a kernel was launched without PDL, so the kernels
-stay correct in any order of launches. PDL is on for CUDA devices of compute capability 9.0+
-when this Triton has it and PDL_ON_HOPPER is set, off elsewhere (the CPU interpreter never sees
-the calls: they sit behind a constexpr); BLOCKDRAFT_PDL=1 / 0 overrides PDL_ON_HOPPER.
+stay correct in any order of launches, PDL or not (the CPU interpreter never sees the calls:
+they sit behind a constexpr).
+
+When it is on, measured on an H200 (BENCHMARKS.md, run XI): PDL pays in decode steps (one query
+row per request) and costs in 16-row verify and drafter steps, whose attention and GEMM grids
+are larger (likely because early-launched programs waiting in `gdc_wait` hold SM slots that
+their predecessor's later programs need; not profiled). Qwen3-8B shapes, batch 1: decode
+4.45 -> 4.34 ms, DFlash step 6.19 -> 6.42 ms; SmolLM2-135M decode 0.77 -> 0.65 ms. The L2
+prefetch costs more than it saves at every shape measured (8B decode 5.67 ms with it), so its
+budget is 0 unless asked for. Hence the policy under "auto" (BLOCKDRAFT_PDL unset): PDL on
+CUDA devices of compute capability 9.0+ (when this Triton has it) for launches inside a forward
+whose every request has one query row, nowhere else. BLOCKDRAFT_PDL=1 puts it on every launch,
+=0 off; BLOCKDRAFT_PDL_PREFETCH_MIB sets the prefetch budget (A/B runs).
 """
 
 from __future__ import annotations
@@ -26,12 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.forward_context import current_attention_metadata
+
 ENV_VAR = "BLOCKDRAFT_PDL"
-# PDL under "auto" (BLOCKDRAFT_PDL unset) on devices that have it.
-PDL_ON_HOPPER = False
-# L2 bytes the first wave of a skinny GEMM may prefetch: inside the H100/H200's 50 MB, so
-# that prefetched lines are still there when the main loop reads them.
-L2_PREFETCH_BUDGET = 32 * 1024**2
+PREFETCH_ENV_VAR = "BLOCKDRAFT_PDL_PREFETCH_MIB"
+# Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in decode forwards.
+PDL_ON_HOPPER = True
+# L2 bytes the first wave of a skinny GEMM may prefetch (BLOCKDRAFT_PDL_PREFETCH_MIB): off, as
+# measured; a budget should stay inside the H100/H200's 50 MB, so that prefetched lines are
+# still there when the main loop reads them.
+L2_PREFETCH_BUDGET = 0
 
 
 @functools.cache
@@ -51,12 +65,31 @@ def _device_has_pdl(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL (see the module doc)."""
+    """Whether a kernel launched now on `device` uses PDL (the policy in the module doc)."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
-    wanted = PDL_ON_HOPPER if choice in ("", "auto") else choice not in ("0", "off", "false")
+    if choice in ("", "auto"):
+        meta = current_attention_metadata()
+        wanted = PDL_ON_HOPPER and meta is not None and meta.max_query_len == 1
+    else:
+        wanted = choice not in ("0", "off", "false")
     if device.type != "cuda" or not wanted:
         return False
     return _device_has_pdl(device.index if device.index is not None else 0)
+
+
+def l2_prefetch_budget() -> int:
+    """Bytes the first wave of a PDL-launched skinny GEMM may prefetch into L2:
+    L2_PREFETCH_BUDGET unless BLOCKDRAFT_PDL_PREFETCH_MIB says otherwise."""
+    value = os.environ.get(PREFETCH_ENV_VAR, "").strip()
+    if not value:
+        return L2_PREFETCH_BUDGET
+    try:
+        mib = float(value)
+    except ValueError:
+        mib = -1.0
+    if not mib >= 0:  # also rejects nan
+        raise ValueError(f"{PREFETCH_ENV_VAR} must be a number of MiB >= 0, got {value!r}")
+    return int(mib * 1024**2)
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,11 +120,14 @@ def prefetch_bytes_per_row(
     row_bytes: int,
     num_sms: int,
     aligned: bool,
-    budget: int = L2_PREFETCH_BUDGET,
+    budget: int | None = None,
 ) -> int:
     """Bytes of its W rows (from the split's start) each program prefetches before waiting: the
-    programs of the first wave (two per SM) share `budget`; 16-byte multiples (the bulk
-    prefetch's unit), 0 when the rows are not 16-byte aligned or the share is under 1 KB."""
+    programs of the first wave (two per SM) share `budget` (default: `l2_prefetch_budget()`);
+    16-byte multiples (the bulk prefetch's unit), 0 when the rows are not 16-byte aligned or the
+    share is under 1 KB."""
+    if budget is None:
+        budget = l2_prefetch_budget()
     if not aligned or num_programs <= 0 or block_n <= 0:
         return 0
     resident = min(num_programs, 2 * num_sms)
