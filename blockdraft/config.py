@@ -18,8 +18,9 @@ class SpeculativeConfig:
     # default: the drafter's block_size - 1; at most 2 on the CPU (draft_schedule.py says why)
     num_speculative_tokens: int | None = None
     # Draft tokens per step by batch size, {at least this many running requests: N}, e.g.
-    # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens. "auto": a schedule on
-    # CUDA (see blockdraft.spec_decode.draft_schedule), fixed N on the CPU; None: fixed N.
+    # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens; N = 0: no drafts.
+    # "auto": {24: 7} on CUDA (blockdraft.spec_decode.draft_schedule), fixed N on the CPU;
+    # None: fixed N.
     num_speculative_tokens_by_batch: dict[int, int] | str | None = "auto"
     # Benchmark only: accept each draft with this probability instead of verifying it, so speed
     # can be measured at a chosen acceptance length with random weights. Output is meaningless.

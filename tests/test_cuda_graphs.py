@@ -116,6 +116,31 @@ def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
     assert max(replays[("target", 8)] + replays[("drafter", 8)]) <= 2, replays
 
 
+def test_no_draft_steps_replay_the_decode_graph(pair, rng) -> None:
+    """With no drafts from 3 requests on ({3: 0}), no graph is captured for N = 0: those
+    steps replay the decode graph, the others the N = 4 verify and drafter graphs, and the
+    output is the eager engine's."""
+    target, drafter = pair
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4,
+            "num_speculative_tokens_by_batch": {3: 0}}  # fmt: skip
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 15, 22, 30)
+    ]
+    plain = LLM(str(target), speculative_config=spec, max_model_len=64)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=8)
+    capture_twins(graphed, [1, 2, 4, 8])
+    engine = graphed.engine
+    target_sizes = {q: r.batch_sizes for q, r in engine.runner.graphs.items()}
+    assert target_sizes == {1: [1, 2, 4, 8], 5: [1, 2]}
+    assert {q: r.batch_sizes for q, r in engine.drafter_graphs.items()} == {5: [1, 2]}
+    replays = {q: count_replays(r) for q, r in engine.runner.graphs.items()}
+    outs = graphed.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert max(replays[1]) >= 3 and replays[5] and max(replays[5]) <= 2, replays
+
+
 def record_drafts(llm: LLM) -> list[torch.Tensor]:
     proposer = llm.engine.proposer
     seen: list[torch.Tensor] = []

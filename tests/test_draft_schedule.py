@@ -11,6 +11,7 @@ from test_dflash import run_counting_readbacks
 from blockdraft import LLM, SamplingParams
 from blockdraft.config import SpeculativeConfig
 from blockdraft.engine.cuda_graphs import default_batch_sizes
+from blockdraft.kernels.forward_context import PAD_SLOT_ID
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, bucket_of, default_num_drafts
 
 from checkpoints import make_dflash_drafter, make_predictable_target, make_qwen3_checkpoint
@@ -56,8 +57,9 @@ def scheduled(drafter: Path, by_batch: object, n: int | None = 7) -> dict:
         ({0: 3}, "keys are batch sizes"),
         ({"24": 3}, "keys are batch sizes"),
         ({True: 3}, "keys are batch sizes"),
-        ({4: 0}, r"\[4\] must be a positive number of draft tokens"),
-        ({4: 2.5}, r"\[4\] must be a positive number of draft tokens"),
+        ({4: -1}, r"\[4\] must be a number of draft tokens >= 0"),
+        ({4: 2.5}, r"\[4\] must be a number of draft tokens >= 0"),
+        ({4: False}, r"\[4\] must be a number of draft tokens >= 0"),
         ({1: 7, 8: 9}, r"\[8\] = 9 exceeds num_speculative_tokens \(7\)"),
     ],
 )
@@ -112,7 +114,7 @@ def test_schedule_lookup_and_graph_buckets_on_random_schedules(rng) -> None:
         n = int(torch.randint(1, 16, (1,), generator=rng))
         num_keys = int(torch.randint(1, 5, (1,), generator=rng))
         keys = torch.randint(1, 80, (num_keys,), generator=rng).tolist()
-        by_batch = {k: int(torch.randint(1, n + 1, (1,), generator=rng)) for k in keys}
+        by_batch = {k: int(torch.randint(0, n + 1, (1,), generator=rng)) for k in keys}
         max_num_seqs = int(torch.randint(1, 100, (1,), generator=rng))
         schedule = DraftSchedule.resolve(by_batch, n, "cpu")
         sizes = default_batch_sizes(max_num_seqs)
@@ -132,6 +134,40 @@ def test_auto_schedule_is_on_for_cuda_only(n: int) -> None:
     assert cpu.is_fixed and off.is_fixed and cpu.num_drafts(512) == off.num_drafts(512) == n
     assert [cuda.num_drafts(b) for b in (1, 23, 24, 512)] == [n, n, min(n, 7), min(n, 7)]
     assert cuda.is_fixed == (n <= 7)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_no_drafts_from_a_batch_size_on(pairs, rng, temperature: float) -> None:
+    """N = 0 from 3 running requests on: no request proposes while 3 or more run (plain
+    decode steps; the drafter still writes its context), drafting resumes once fewer run, and
+    greedy output is the target's; sampled requests run to their lengths, seeded alike."""
+    target, drafter = pairs["agreeing"]
+    lengths = torch.randint(1, 30, (5,), generator=rng).tolist()
+    prompts = [random_prompt(target, m, rng) for m in lengths]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True, seed=i)
+        for i, m in enumerate((4, 7, 12, 30, 41))
+    ]
+    llm = LLM(str(target), speculative_config=scheduled(drafter, {3: 0}, n=4))
+    assert llm.engine.draft_schedule.all_num_drafts == [0, 4]
+    proposals = spy_proposals(llm)
+    written = spy_context_rows(llm)
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    assert proposals and all(running < 3 and n == 4 for running, n in proposals), proposals
+    # Every token fed to the target left its features in the drafter's context, drafting or
+    # not: each request's prompt and all its output tokens but the last (a last verify may
+    # also commit up to N drafts that max_tokens then cuts from the output).
+    fed = sum(len(p) + len(s.outputs[0].token_ids) - 1 for p, s in zip(prompts, sd, strict=True))
+    assert fed <= sum(written) <= fed + 4 * len(prompts), (sum(written), fed)
+    for s, p in zip(sd, params, strict=True):
+        assert len(s.outputs[0].token_ids) == p.max_tokens
+    # Drafting resumed after the no-draft steps: the last two requests were verified.
+    assert all(s.spec_accept_lengths for s in sd[3:])
+    if temperature == 0:
+        ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
+        assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
+        # "agreeing" drafter: runs of more than one token came from verified drafts.
+        assert max(max(s.spec_accept_lengths) for s in sd[3:]) > 1
 
 
 def spy_proposals(llm: LLM) -> list[tuple[int, int]]:
@@ -172,6 +208,19 @@ def test_greedy_lossless_while_the_batch_shrinks_across_the_threshold(pairs, kin
     assert "drafts by N" in stats.summary()
     if kind == "agreeing":  # runs longer than 1+3 can only come from verifies of 7 drafts
         assert max(max(o.spec_accept_lengths) for o in sd) > 4
+
+
+def spy_context_rows(llm: LLM) -> list[int]:
+    """Rows (not PAD) of every drafter context K/V write."""
+    drafter, counts = llm.engine.proposer.drafter, []
+    original = drafter.write_context
+
+    def spy(features, positions, slot_mapping):
+        counts.append(int((slot_mapping != PAD_SLOT_ID).sum()))
+        return original(features, positions, slot_mapping)
+
+    drafter.write_context = spy
+    return counts
 
 
 def spy_truncated_verifies(llm: LLM) -> list[int]:

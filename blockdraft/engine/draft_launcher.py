@@ -123,10 +123,11 @@ class DraftLauncher:
 
     def launch(self, step: LaunchedStep, num_drafts: int) -> LaunchedDrafts | None:
         """Queues context K/V for every committed row of `step`, then N drafts for each request
-        whose chunk completes; None when none does. Reads nothing back."""
+        whose chunk completes; None when none does (or N = 0: the context only). Reads nothing
+        back."""
         chunks = step.chunks
         verify = set(step.verify)
-        proposers = [i for i, c in enumerate(chunks) if c.completes]
+        proposers = [i for i, c in enumerate(chunks) if c.completes] if num_drafts else []
         tables = padded_block_tables([c.seq.block_table for c in chunks])
         # Committed rows known on the host: a prefill chunk's all, a verify's anchor (its
         # accepted drafts are added on the device).
@@ -162,7 +163,7 @@ class DraftLauncher:
             num_ctx,
             proposers_gpu,
             block_tables,
-            num_drafts,
+            max(num_drafts, 1),  # N = 0 has no proposers: no block rows to lay out
             step.row_ends[-1],
         )
         num_props, q = len(proposers), num_drafts + 1

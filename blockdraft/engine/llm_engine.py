@@ -196,6 +196,8 @@ class LLMEngine:
 
         self.runner.graphs[1] = capture(self.model, 1, batch_sizes)
         for n in self.draft_schedule.all_num_drafts if self.draft_schedule else []:
+            if n == 0:  # no drafts: the steps after are plain decodes (graphs[1])
+                continue
             sizes = self.draft_schedule.graph_batch_sizes(n, batch_sizes)
             if not sizes:  # only batches above max_num_seqs would use this N
                 continue

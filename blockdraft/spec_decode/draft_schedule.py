@@ -3,7 +3,9 @@
 A verify of 1+N rows per request is nearly free at small batches (the target's weight reads
 dominate) but becomes compute-bound at large ones: on an H200 with Qwen3-8B shapes, 16 rows x
 32 requests cost ~3.4 decode steps. Drafting fewer tokens there trades a shorter accepted run
-for a cheaper verify, and a block-16 drafter runs well at block 8 (the DFlash paper).
+for a cheaper verify, and a block-16 drafter runs well at block 8 (the DFlash paper). N = 0
+drafts nothing: the step is a plain decode, and the drafter only writes its context (the
+target's features of the new tokens), so that it can draft again once the batch shrinks.
 
 The batch size is the number of running requests when the drafts are proposed: those are the
 requests the next step verifies (a request only gets drafts by proposing, so a step never
@@ -40,9 +42,13 @@ def is_positive_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_non_negative_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_draft_schedule(schedule: object, num_speculative_tokens: int | None) -> None:
     """SpeculativeConfig.num_speculative_tokens_by_batch is 'auto', None or {batch: N} with
-    positive keys and 1 <= N <= num_speculative_tokens (unchecked while that is None: it may
+    positive keys and 0 <= N <= num_speculative_tokens (unchecked while that is None: it may
     come from the drafter's block size, and DraftSchedule.resolve checks again then)."""
     name = "num_speculative_tokens_by_batch"
     if schedule is None or schedule == "auto":
@@ -55,9 +61,9 @@ def check_draft_schedule(schedule: object, num_speculative_tokens: int | None) -
     for batch, n in schedule.items():
         if not is_positive_int(batch):
             raise ValueError(f"{name} keys are batch sizes (positive integers), got {batch!r}")
-        if not is_positive_int(n):
+        if not is_non_negative_int(n):
             raise ValueError(
-                f"{name}[{batch}] must be a positive number of draft tokens, got {n!r}"
+                f"{name}[{batch}] must be a number of draft tokens >= 0 (0: none), got {n!r}"
             )
         if num_speculative_tokens is not None and n > num_speculative_tokens:
             raise ValueError(
@@ -81,7 +87,7 @@ class DraftSchedule:
         device_type: str,
     ) -> DraftSchedule:
         """The schedule a config asks for, once num_speculative_tokens is resolved (it may come
-        from the drafter's block size). Every N is checked to lie in 1..num_speculative_tokens."""
+        from the drafter's block size). Every N is checked to lie in 0..num_speculative_tokens."""
         check_draft_schedule(by_batch, num_speculative_tokens)
         if by_batch == "auto":
             by_batch = cls.auto(num_speculative_tokens, device_type)
@@ -94,7 +100,8 @@ class DraftSchedule:
     @staticmethod
     def auto(num_speculative_tokens: int, device_type: str) -> dict[int, int]:
         # On the CPU every verify row costs compute, at any batch, so the best N follows the
-        # drafter's acceptance rather than the batch (BENCHMARKS.md): the user's N, fixed.
+        # drafter's acceptance rather than the batch (BENCHMARKS.md): the user's N, fixed. (Not
+        # drafting from 4 requests on, {4: 0}, did not help the CPU server either: measured.)
         if device_type != "cuda":
             return {}
         return {AUTO_MIN_BATCH: min(num_speculative_tokens, AUTO_NUM_DRAFTS)}
@@ -105,6 +112,7 @@ class DraftSchedule:
 
     @property
     def all_num_drafts(self) -> list[int]:
+        """Every N the schedule may pick, 0 (no drafts) included."""
         return sorted(set(self.num_drafts_at))
 
     def num_drafts(self, batch_size: int) -> int:
