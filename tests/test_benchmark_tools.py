@@ -69,3 +69,26 @@ def test_small_steps_times_and_splits_the_steps(tmp_path, capsys, temperature: s
     assert any(name.startswith("llm_engine:step") for name, _ in prof["blockdraft_cumulative"])
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
     assert "step cost" in capsys.readouterr().out
+
+
+def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
+    """A tiny target and drafter: every batch gets a median rate for AR, DFlash and DFlash
+    without drafts from the stop batch, each pass counted, and the JSON says the same."""
+    import json
+
+    from benchmarks import steady_batch
+
+    from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
+
+    target = make_qwen3_checkpoint(tmp_path / "target")
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=4)
+    out = steady_batch.main([
+        "--batches", "1", "3", "--max-tokens", "6", "--stop-batch", "2", "--repeats", "2",
+        "--model", str(target), "--draft", str(drafter), "--json", str(tmp_path / "out.json"),
+    ])  # fmt: skip
+    assert [r["batch"] for r in out["results"]] == [1, 3]
+    for r in out["results"]:
+        assert set(r["tok_s"]) == {"AR", "DFlash", "DFlash, none from 2"}
+        assert all(len(p) == 2 and min(p) > 0 for p in r["tok_s_by_pass"].values())
+    assert json.loads((tmp_path / "out.json").read_text())["results"] == out["results"]
+    assert "steady batch" in capsys.readouterr().out

@@ -94,7 +94,7 @@ def test_cpu_engine_drafts_two_by_default_and_stays_lossless(pairs, rng) -> None
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
-    assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [2]
+    assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [0, 2]
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
     assert max(k for o in out for k in o.spec_accept_lengths) == 3  # 2 drafts + the target's
@@ -127,13 +127,16 @@ def test_schedule_lookup_and_graph_buckets_on_random_schedules(rng) -> None:
 
 
 @pytest.mark.parametrize("n", [3, 7, 15])
-def test_auto_schedule_is_on_for_cuda_only(n: int) -> None:
+def test_auto_schedule_by_device(n: int) -> None:
+    """'auto': fewer drafts from 24 requests on CUDA, none from 4 on the CPU; None: fixed."""
     cuda = DraftSchedule.resolve("auto", n, "cuda")
     cpu = DraftSchedule.resolve("auto", n, "cpu")
     off = DraftSchedule.resolve(None, n, "cuda")
-    assert cpu.is_fixed and off.is_fixed and cpu.num_drafts(512) == off.num_drafts(512) == n
+    assert off.is_fixed and off.num_drafts(512) == n
     assert [cuda.num_drafts(b) for b in (1, 23, 24, 512)] == [n, n, min(n, 7), min(n, 7)]
     assert cuda.is_fixed == (n <= 7)
+    assert [cpu.num_drafts(b) for b in (1, 3, 4, 512)] == [n, n, 0, 0]
+    assert cpu.all_num_drafts == [0, n]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])

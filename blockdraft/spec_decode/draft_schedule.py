@@ -21,6 +21,11 @@ from dataclasses import dataclass
 # "auto" on CUDA: from this many running requests on, draft at most AUTO_NUM_DRAFTS tokens.
 AUTO_MIN_BATCH = 24
 AUTO_NUM_DRAFTS = 7
+# "auto" on the CPU: from this many running requests on, no drafts (N = 0). There a batch of a
+# few requests already keeps the cores busy, so verify rows only add compute: at a steady batch
+# of 4 / 16 open-chat requests the shipped drafter with 2 drafts a step ran at 0.67 / 0.66x plain
+# decoding, with none at 0.93 / 0.92x (the drafter's context upkeep; BENCHMARKS.md).
+AUTO_CPU_STOP_BATCH = 4
 # num_speculative_tokens left unset on the CPU: at most this many. There every verify row
 # costs compute (a 16-row verify + draft of SmolLM2-135M is ~20x the FLOPs of a decode step),
 # so only the first drafts, the likeliest to be accepted, pay for their rows: with the shipped
@@ -99,11 +104,11 @@ class DraftSchedule:
 
     @staticmethod
     def auto(num_speculative_tokens: int, device_type: str) -> dict[int, int]:
-        # On the CPU every verify row costs compute, at any batch, so the best N follows the
-        # drafter's acceptance rather than the batch (BENCHMARKS.md): the user's N, fixed. (Not
-        # drafting from 4 requests on, {4: 0}, did not help the CPU server either: measured.)
+        # On the CPU every verify row costs compute, at any batch, so below AUTO_CPU_STOP_BATCH
+        # the best N follows the drafter's acceptance (the user's N), and from it on drafting
+        # does not pay.
         if device_type != "cuda":
-            return {}
+            return {AUTO_CPU_STOP_BATCH: 0}
         return {AUTO_MIN_BATCH: min(num_speculative_tokens, AUTO_NUM_DRAFTS)}
 
     @property
