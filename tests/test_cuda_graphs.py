@@ -83,14 +83,13 @@ def count_replays(runner: CUDAGraphRunner) -> list[int]:
     return calls
 
 
-def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
-    """With N by batch size ({1: 7, 3: 3}), verify and drafter graphs are captured for N = 3 at
-    the buckets of 3+ requests and for N = 7 at those of 1-2, and requests finishing at
-    different lengths replay both without changing the output."""
+def scheduled_engines(pair, rng, n: int, by_batch: dict[int, int]):
+    """Five greedy requests finishing at different lengths, the eager engine's output for them
+    with N by batch size, and an engine with graph twins captured at buckets 1, 2, 4, 8."""
     target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7,
-            "num_speculative_tokens_by_batch": {3: 3}}
-    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": n,
+            "num_speculative_tokens_by_batch": by_batch}  # fmt: skip
+    prompts = [torch.randint(4, 128, (m,), generator=rng).tolist() for m in (2, 7, 12, 20, 5)]
     params = [
         SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 15, 22, 30)
     ]
@@ -98,6 +97,14 @@ def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=8)
     capture_twins(graphed, [1, 2, 4, 8])
+    return graphed, prompts, params, expected
+
+
+def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
+    """With N by batch size ({1: 7, 3: 3}), verify and drafter graphs are captured for N = 3 at
+    the buckets of 3+ requests and for N = 7 at those of 1-2, and requests finishing at
+    different lengths replay both without changing the output."""
+    graphed, prompts, params, expected = scheduled_engines(pair, rng, 7, {3: 3})
     engine = graphed.engine
     runners = {("target", q): r for q, r in engine.runner.graphs.items()}
     runners |= {("drafter", q): r for q, r in engine.drafter_graphs.items()}
@@ -120,17 +127,7 @@ def test_no_draft_steps_replay_the_decode_graph(pair, rng) -> None:
     """With no drafts from 3 requests on ({3: 0}), no graph is captured for N = 0: those
     steps replay the decode graph, the others the N = 4 verify and drafter graphs, and the
     output is the eager engine's."""
-    target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4,
-            "num_speculative_tokens_by_batch": {3: 0}}  # fmt: skip
-    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
-    params = [
-        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (4, 9, 15, 22, 30)
-    ]
-    plain = LLM(str(target), speculative_config=spec, max_model_len=64)
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=8)
-    capture_twins(graphed, [1, 2, 4, 8])
+    graphed, prompts, params, expected = scheduled_engines(pair, rng, 4, {3: 0})
     engine = graphed.engine
     target_sizes = {q: r.batch_sizes for q, r in engine.runner.graphs.items()}
     assert target_sizes == {1: [1, 2, 4, 8], 5: [1, 2]}
