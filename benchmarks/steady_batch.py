@@ -1,8 +1,9 @@
 """Decode throughput at a steady batch: B requests that start together and all generate the
 same number of tokens (ignore_eos), so every step runs B requests. Plain decoding next to
-DFlash with the config's draft schedule and DFlash with no drafts from `--stop-batch` running
-requests on (`num_speculative_tokens_by_batch` {B: 0}: plain decode steps while the drafter
-keeps its context), the engines taking turns over `--repeats` passes (median tok/s).
+DFlash drafting at every batch size (`num_speculative_tokens_by_batch` None) and DFlash with no
+drafts from `--stop-batch` running requests on ({B: 0}, the CPU's default for B = 4: plain
+decode steps while the drafter keeps its context), the engines taking turns over `--repeats`
+passes (median tok/s).
 
     .venv/bin/python benchmarks/steady_batch.py [--batches 1 4 16] [--max-tokens 48]
         [--stop-batch 4] [--repeats 2] [--model DIR|GGUF] [--draft default|DIR] [--json F]
@@ -56,10 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("batches and repeats must be >= 1, --stop-batch >= 2")
     model = {"model": args.model} if args.model else {}
     spec = {"method": "dflash", "model": args.draft}
+    every = {**spec, "num_speculative_tokens_by_batch": None}
     stop = {**spec, "num_speculative_tokens_by_batch": {args.stop_batch: 0}}
     engines = {
         "AR": LLM(**model, speculative_config=None),
-        "DFlash": LLM(**model, speculative_config=spec),
+        "DFlash": LLM(**model, speculative_config=every),
         f"DFlash, none from {args.stop_batch}": LLM(**model, speculative_config=stop),
     }
     rows, results = [], []
