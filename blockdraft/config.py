@@ -74,9 +74,9 @@ class EngineConfig:
     load_format: str = "auto"  # "auto" | "dummy" (random weights from config.json alone)
     enforce_eager: bool = False  # True: no CUDA graphs on GPU
     # "auto": the drafter shipped for the default target when that target runs on the CPU,
-    # where it is measured faster than plain decoding (BENCHMARKS.md: 1.26-1.49x at T = 0 on
+    # where it is measured faster than plain decoding (BENCHMARKS.md: 1.24-1.48x at T = 0 on
     # GSM8K, AIME, HumanEval and MT-Bench, ~1.05x at T = 1); nothing otherwise (on a GPU it is
-    # faster at T = 0 but ~0.5x at T = 1). None: no speculation.
+    # faster at T = 0 but ~0.6x at T = 1). None: no speculation.
     speculative_config: SpeculativeConfig | dict | str | None = "auto"
     # True: plain decode steps are pipelined ("async scheduling"): step t+1 is launched before
     # step t is read back, its input ids taken on the device from step t's sampled tokens, so

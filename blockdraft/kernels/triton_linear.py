@@ -52,6 +52,7 @@ import triton.language as tl
 
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.pdl import (
+    l2_prefetch_budget,
     launch_options,
     num_sms,
     pdl_enabled,
@@ -568,8 +569,8 @@ def skinny_linear(
     if split_k > 1:
         target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
-    prefetch = 0
-    if pdl:
+    prefetch, budget = 0, l2_prefetch_budget() if pdl else 0
+    if budget:  # off by default (blockdraft.kernels.pdl): no per-launch sizing then
         elem = weight.element_size()
         aligned = (
             weight.data_ptr() % 16 == 0
@@ -578,7 +579,7 @@ def skinny_linear(
         )
         prefetch = prefetch_bytes_per_row(
             grid[0] * grid[1] * grid[2], cfg.block_n, k_per_split * elem, num_sms(x.device),
-            aligned,
+            aligned, budget,
         )  # fmt: skip
     _skinny_matmul_kernel[grid](
         rows,

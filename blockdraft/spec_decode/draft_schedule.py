@@ -43,12 +43,13 @@ def default_num_drafts(block_size: int, device_type: str) -> int:
     return block_size - 1
 
 
+def is_int_at_least(value: object, minimum: int) -> bool:
+    """An int (not a bool) >= minimum."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def is_positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def is_non_negative_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int_at_least(value, 1)
 
 
 def check_draft_schedule(schedule: object, num_speculative_tokens: int | None) -> None:
@@ -66,7 +67,7 @@ def check_draft_schedule(schedule: object, num_speculative_tokens: int | None) -
     for batch, n in schedule.items():
         if not is_positive_int(batch):
             raise ValueError(f"{name} keys are batch sizes (positive integers), got {batch!r}")
-        if not is_non_negative_int(n):
+        if not is_int_at_least(n, 0):
             raise ValueError(
                 f"{name}[{batch}] must be a number of draft tokens >= 0 (0: none), got {n!r}"
             )
