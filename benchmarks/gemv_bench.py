@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import hardware, print_table  # noqa: E402
@@ -68,6 +67,11 @@ DOT = [
     (64, 128, 4, 4),
     (64, 256, 4, 3),
     (64, 256, 8, 3),
+    (16, 128, 4, 4),
+    (32, 128, 4, 4),
+    (64, 128, 4, 3),
+    (128, 64, 4, 4),
+    (128, 128, 8, 3),
 ]
 # (block_n, block_k, num_warps, num_stages, split_k), tried where N / block_n is few programs.
 SPLIT = [(16, 512, 4, 3, 2), (32, 256, 4, 3, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4)]
@@ -87,6 +91,30 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:
         if -(-n // bn) < 4 * sms and k % (bk * split) == 0:
             configs.append(SkinnyConfig(bn, bk, warps, stages, split, True))
     return list(dict.fromkeys(configs))  # dedupe, order kept
+
+
+def gemm_input(name: str, m: int, k: int, prologue: bool) -> tuple[torch.Tensor, dict]:
+    """x for a GEMM of depth k, and the fused-input keywords of `skinny_linear` that decode
+    uses for this projection (none without `prologue`)."""
+    if prologue and name == "down":
+        return torch.randn(m, 2 * k, device=DEVICE).bfloat16(), {"silu_mul_input": True}
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    if not (prologue and name in ("qkv", "gate_up")):
+        return x, {}
+    norm_weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).bfloat16()
+    return x, {
+        "rms_norm": (norm_weight, 1e-6),
+        "residual": torch.randn_like(x),
+        "residual_out": torch.empty_like(x),
+    }
+
+
+def as_fp32(fused: dict) -> dict:
+    """The same keywords with fp32 tensors (the reference's), residual_out left out."""
+    if "rms_norm" not in fused:
+        return fused
+    weight, eps = fused["rms_norm"]
+    return {"rms_norm": (weight.float(), eps), "residual": fused["residual"].float()}
 
 
 def time_per_call(calls: list, iters: int, reps: int) -> float:
@@ -135,11 +163,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed replays per config")
     parser.add_argument("--m", default="1,2,4,8,16", help="row counts, comma-separated")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    parser.add_argument(
+        "--prologue",
+        action="store_true",
+        help="time the fused inputs decode runs at <= 2 rows: residual add + RMSNorm before "
+        "qkv and gate_up, silu(gate) * up before down (cuBLAS gets the unfused ops)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gemv_bench.py times CUDA kernels and needs a CUDA GPU; none is visible.")
 
-    from blockdraft.kernels.triton_linear import skinny_linear
+    from blockdraft.kernels.triton_linear import skinny_linear, skinny_linear_torch
 
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -156,12 +190,15 @@ def main() -> None:
         weights = [torch.randn(n, k, device=DEVICE).div_(math.sqrt(k)).bfloat16()]
         weights += [weights[0].clone() for _ in range(copies - 1)]
         for m in ms:
-            x = torch.randn(m, k, device=DEVICE).bfloat16()
-            ref = F.linear(x.float(), weights[0].float())
+            x, fused = gemm_input(name, m, k, args.prologue)
+            ref = skinny_linear_torch(x.float(), weights[0].float(), **as_fp32(fused))
             scale = ref.abs().max().item()
-            cublas_err = (F.linear(x, weights[0]).float() - ref).abs().max().item() / scale
+            plain = skinny_linear_torch(x, weights[0], **fused)
+            cublas_err = (plain.float() - ref).abs().max().item() / scale
             cublas = time_per_call(
-                [lambda w=w, x=x: F.linear(x, w) for w in weights], args.iters, args.reps
+                [lambda w=w, x=x, f=fused: skinny_linear_torch(x, w, **f) for w in weights],
+                args.iters,
+                args.reps,
             )
             entry = {
                 "shape": name,
@@ -178,13 +215,16 @@ def main() -> None:
             for cfg in candidates(m, n, k, sms):
                 row = {"config": cfg._asdict(), "repr": repr(cfg)}
                 try:
-                    got = skinny_linear(x, weights[0], None, cfg)
+                    got = skinny_linear(x, weights[0], None, cfg, **fused)
                     torch.cuda.synchronize()
                     row["max_rel_err"] = (got.float() - ref).abs().max().item() / scale
                     if not row["max_rel_err"] <= MAX_REL_ERR:  # NaN fails too
                         raise RuntimeError(f"max rel err {row['max_rel_err']:.3g}")
                     t = time_per_call(
-                        [lambda w=w, x=x, c=cfg: skinny_linear(x, w, None, c) for w in weights],
+                        [
+                            lambda w=w, x=x, c=cfg, f=fused: skinny_linear(x, w, None, c, **f)
+                            for w in weights
+                        ],
                         args.iters,
                         args.reps,
                     )
@@ -248,6 +288,7 @@ def main() -> None:
             "copy_bandwidth_tbs": copy_bw / 1e12,
             "iters": args.iters,
             "reps": args.reps,
+            "prologue": args.prologue,
             "results": results,
             "layer_sum": layer_sum,
             "best_configs": best_configs,

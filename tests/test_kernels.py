@@ -270,7 +270,7 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(512, 4096, 1, 8, device) == 1  # prefill: enough query tiles
     assert choose_num_splits(1, 300, 1, 8, device) == 1  # short context: nothing to split
     assert choose_num_splits(1, 832, 1, 8, device) == 4  # 8 programs -> two waves of 16 SMs
-    assert choose_num_splits(1, 640, 1, 1, device) == 5  # at most one split per 128 keys
+    assert choose_num_splits(1, 640, 1, 1, device) == 10  # at most one split per 64 keys
     assert choose_num_splits(1, 8192, 1, 2, device) == 16  # two waves over 16 SMs
     assert choose_num_splits(16, 8192, 64, 8, device) == 1  # the grid already fills the GPU
     assert choose_num_splits(1, 8192, 2, 8, device) == 1  # 16 programs already fill 16 SMs

@@ -305,9 +305,11 @@ def choose_num_splits(
     if max_query_len > 16 or max_seq_len < 512 or programs >= sms:
         return 1
     want = -(-2 * sms // programs)  # about two waves of programs
-    # Splits of two 64-key tiles still pay: a batch-1 decode over 512-1k keys is otherwise a
-    # handful of programs walking the keys serially (~24 us a layer on an H200).
-    return max(1, min(want, max_seq_len // 128, 64))
+    # Splits of one 64-key tile still pay: a batch-1 decode over 512-1k keys is otherwise a
+    # handful of programs walking the keys serially. H200, Qwen3-8B shapes, 36 layers
+    # (benchmarks/attention_bench.py): 512 / 768 keys, 1 query row 8.9 / 8.5 us a layer with
+    # splits of two tiles, 6.3 / 7.6 with one; 16 rows 11.0 / 11.2 -> 8.7 / 9.4.
+    return max(1, min(want, max_seq_len // 64, 64))
 
 
 def _tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
@@ -316,7 +318,16 @@ def _tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int
     rows = triton.next_power_of_2(max(max_query_len * group, group, 16))
     block_m = min(rows, max(64, triton.next_power_of_2(group)))
     block_n = 64 if head_dim <= 128 else 32
+    if 1 < max_query_len <= 16:  # verify and drafter blocks: shorter key tiles (measured above)
+        block_n = 32
     return block_m, block_n
+
+
+def _num_warps(block_m: int, block_d: int) -> int:
+    # A 16-row tile (one decode query's GQA group) runs best on 2 warps (measured above).
+    if block_m <= 16:
+        return 2
+    return 4 if block_m * block_d <= 64 * 128 else 8
 
 
 def triton_paged_attention(
@@ -420,7 +431,7 @@ def triton_paged_attention(
         SPLIT=split,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        num_warps=num_warps or (4 if block_m * block_d <= 64 * 128 else 8),
+        num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
     )

@@ -407,29 +407,31 @@ class SkinnyConfig(NamedTuple):
 # (M bucket = next power of two of M, N, K) ->
 #     SkinnyConfig(block_n, block_k, num_warps, num_stages, split_k, use_dot)
 # for the Qwen3-8B projections, the fastest of benchmarks/gemv_bench.py's sweep on an H200
-# (2026-12-02); other shapes take the entry of their M bucket nearest in log N + log K.
+# (2026-12-02; 2026-12-03 again with PDL and decode's prologues at M = 1-2, `--prologue`, and
+# at M = 16: five entries changed, the 8B DFlash step 6.15 -> 6.01 ms); other shapes take the
+# entry of their M bucket nearest in log N + log K.
 # Measured against cuBLAS (bf16, weights streamed from HBM): at M = 1-2 the broadcast path
 # wins on every shape (whole forward 3.79 vs 4.11 ms at M = 1); at M = 4-16 cuBLAS is as fast
 # or faster on qkv and gate_up, so the decoder routes only M <= 2 here (decoder.SKINNY_MAX_ROWS).
 DEFAULT_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # fused qkv
-    (1, 6144, 4096): SkinnyConfig(8, 512, 4, 1, 1, False),
+    (1, 6144, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
     (2, 6144, 4096): SkinnyConfig(16, 256, 4, 3, 1, False),
     (4, 6144, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
     (8, 6144, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
     (16, 6144, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
     # o_proj
     (1, 4096, 4096): SkinnyConfig(16, 512, 4, 3, 1, False),
-    (2, 4096, 4096): SkinnyConfig(8, 512, 4, 3, 1, False),
+    (2, 4096, 4096): SkinnyConfig(16, 256, 4, 3, 1, False),
     (4, 4096, 4096): SkinnyConfig(8, 256, 4, 3, 1, False),
     (8, 4096, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
     (16, 4096, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
     # fused gate_up
-    (1, 24576, 4096): SkinnyConfig(16, 512, 4, 3, 1, False),
+    (1, 24576, 4096): SkinnyConfig(32, 256, 4, 1, 1, False),
     (2, 24576, 4096): SkinnyConfig(16, 256, 4, 3, 1, False),
     (4, 24576, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
     (8, 24576, 4096): SkinnyConfig(64, 256, 4, 3, 1, True),
-    (16, 24576, 4096): SkinnyConfig(32, 256, 4, 4, 1, True),
+    (16, 24576, 4096): SkinnyConfig(64, 128, 4, 3, 1, True),
     # down_proj
     (1, 4096, 12288): SkinnyConfig(16, 512, 4, 3, 1, False),
     (2, 4096, 12288): SkinnyConfig(8, 512, 4, 3, 1, False),
@@ -441,7 +443,7 @@ DEFAULT_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 151936, 4096): SkinnyConfig(16, 256, 4, 3, 1, False),
     (4, 151936, 4096): SkinnyConfig(64, 128, 4, 4, 1, True),
     (8, 151936, 4096): SkinnyConfig(64, 128, 4, 4, 1, True),
-    (16, 151936, 4096): SkinnyConfig(64, 128, 4, 4, 1, True),
+    (16, 151936, 4096): SkinnyConfig(64, 128, 4, 3, 1, True),
 }
 
 
