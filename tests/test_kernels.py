@@ -40,6 +40,8 @@ from blockdraft.kernels.rope import (  # noqa: E402
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform  # noqa: E402
 from blockdraft.kernels.triton_activation import triton_silu_mul  # noqa: E402
 from blockdraft.kernels.triton_attention import (  # noqa: E402
+    _num_warps,
+    _tile_sizes,
     choose_num_splits,
     triton_paged_attention,
 )
@@ -274,6 +276,20 @@ def test_choose_num_splits() -> None:
     assert choose_num_splits(1, 8192, 1, 2, device) == 16  # two waves over 16 SMs
     assert choose_num_splits(16, 8192, 64, 8, device) == 1  # the grid already fills the GPU
     assert choose_num_splits(1, 8192, 2, 8, device) == 1  # 16 programs already fill 16 SMs
+
+
+def test_attention_tile_rule() -> None:
+    # (query rows, GQA group, head_dim) -> (block_m, block_n): decode keeps 64-key tiles,
+    # verify / drafter blocks (2-16 rows) take 32-key ones, prefill 64 again.
+    assert _tile_sizes(1, 4, 128) == (16, 64)
+    assert _tile_sizes(16, 4, 128) == (64, 32)
+    assert _tile_sizes(2, 3, 64) == (16, 32)
+    assert _tile_sizes(17, 4, 128) == (64, 64)
+    assert _tile_sizes(512, 4, 256) == (64, 32)  # wide heads: 32-key tiles at any length
+    # A decode query's 16-row tile runs on 2 warps; larger tiles on 4 or 8.
+    assert _num_warps(16, 128) == 2
+    assert _num_warps(64, 128) == 4
+    assert _num_warps(64, 256) == 8
 
 
 # --- KV store ------------------------------------------------------------------------------
