@@ -19,7 +19,7 @@ from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.decoder import DecoderLayer, DecoderLM, final_norm
+from blockdraft.models.decoder import DecoderLayer, DecoderLM, final_norm, linear
 from blockdraft.models.model_config import TransformerConfig
 
 
@@ -169,7 +169,9 @@ class DFlashDrafter(nn.Module):
         return final_norm(self.norm, x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
-        logits = self.lm_head(hidden).float()
+        # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
+        # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
         if self.cfg.output_multiplier != 1.0:  # a pass over [R, V] floats: skip when it is 1
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
