@@ -308,7 +308,8 @@ def choose_num_splits(
     # Splits of one 64-key tile still pay: a batch-1 decode over 512-1k keys is otherwise a
     # handful of programs walking the keys serially. H200, Qwen3-8B shapes, 36 layers
     # (benchmarks/attention_bench.py): 512 / 768 keys, 1 query row 8.9 / 8.5 us a layer with
-    # splits of two tiles, 6.3 / 7.6 with one; 16 rows 11.0 / 11.2 -> 8.7 / 9.4.
+    # splits of two tiles, 6.3 / 7.6 with one; 16 rows 11.0 / 11.2, and 8.7 / 9.4 with 32-key
+    # tiles in 12-16 splits. SmolLM2-135M shapes: better in 7 of 8 cases too (BENCHMARKS.md).
     return max(1, min(want, max_seq_len // 64, 64))
 
 

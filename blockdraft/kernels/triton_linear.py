@@ -411,8 +411,9 @@ class SkinnyConfig(NamedTuple):
 # at M = 16: five entries changed, the 8B DFlash step 6.15 -> 6.01 ms); other shapes take the
 # entry of their M bucket nearest in log N + log K.
 # Measured against cuBLAS (bf16, weights streamed from HBM): at M = 1-2 the broadcast path
-# wins on every shape (whole forward 3.79 vs 4.11 ms at M = 1); at M = 4-16 cuBLAS is as fast
-# or faster on qkv and gate_up, so the decoder routes only M <= 2 here (decoder.SKINNY_MAX_ROWS).
+# wins on every shape (whole forward 3.79 vs 4.11 ms at M = 1); at M = 4-16 the two are close
+# GEMM by GEMM, and whole steps were faster with this kernel up to 16 rows
+# (decoder.SKINNY_MAX_ROWS says by how much).
 DEFAULT_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # fused qkv
     (1, 6144, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
