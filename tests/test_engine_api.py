@@ -152,10 +152,15 @@ def test_stop_conditions(llm: LLM, rng) -> None:
     assert out.outputs[0].token_ids == tokens[: first + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
     tok = llm.tokenizer
-    stop_text = tok.decode(tokens[7:9])
+    full_text = tok.decode(tokens)
+    # Two output tokens' text as the stop string, from the 8th token on: the first pair whose
+    # text is in the output (special tokens decode to nothing, so a pair can be empty).
+    stop_text = next(
+        text for i in range(7, len(tokens) - 1)
+        if (text := tok.decode(tokens[i : i + 2])) and text in full_text
+    )
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                                                 stop=stop_text), use_tqdm=False)[0]
-    full_text = tok.decode(tokens)
     assert out.outputs[0].text == full_text[: full_text.index(stop_text)]
     assert out.outputs[0].stop_reason == stop_text
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
