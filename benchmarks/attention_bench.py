@@ -6,10 +6,10 @@ Triton paged attention for few query rows over short contexts. CUDA only.
 
 A batch-1 decode over 512-768 keys is 8 KV heads' worth of programs walking a few KB each:
 latency, not bandwidth, so the split count and the tile shape decide its time. For each
-(batch, query rows, keys) this times the default launch (`choose_num_splits`, `_tile_sizes`)
-and a grid of num_splits x block_n x num_warps x num_stages, each as one CUDA graph of one
-call per layer (36 on Qwen3-8B), each layer with its own KV cache on shuffled pages (so the
-keys come from HBM), the split-K reduction included. Every variant's output is checked against
+(batch, query rows, keys) this times the default launch (`triton_attention`'s rules) and a
+grid of num_splits x block_n x num_warps x num_stages, each as one CUDA graph of one call per
+layer (36 on Qwen3-8B), each layer with its own KV cache on shuffled pages (so the keys come
+from HBM), the split-K reduction included. Every variant's output is checked against
 the default's. Prints the per-layer microseconds of the default and the best variant per case.
 """
 

@@ -40,8 +40,10 @@ from blockdraft.kernels.rope import (  # noqa: E402
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform  # noqa: E402
 from blockdraft.kernels.triton_activation import triton_silu_mul  # noqa: E402
 from blockdraft.kernels.triton_attention import (  # noqa: E402
+    SHORT_SPLIT_KEYS,
+    _block_m,
+    _block_n,
     _num_warps,
-    _tile_sizes,
     choose_num_splits,
     triton_paged_attention,
 )
@@ -279,17 +281,21 @@ def test_choose_num_splits() -> None:
 
 
 def test_attention_tile_rule() -> None:
-    # (query rows, GQA group, head_dim) -> (block_m, block_n): decode keeps 64-key tiles,
-    # verify / drafter blocks (2-16 rows) take 32-key ones, prefill 64 again.
-    assert _tile_sizes(1, 4, 128) == (16, 64)
-    assert _tile_sizes(16, 4, 128) == (64, 32)
-    assert _tile_sizes(2, 3, 64) == (16, 32)
-    assert _tile_sizes(17, 4, 128) == (64, 64)
-    assert _tile_sizes(512, 4, 256) == (64, 32)  # wide heads: 32-key tiles at any length
-    # A decode query's 16-row tile runs on 2 warps; larger tiles on 4 or 8.
-    assert _num_warps(16, 128) == 2
-    assert _num_warps(64, 128) == 4
-    assert _num_warps(64, 256) == 8
+    # Query tiles hold every query's GQA group: 16 rows for a decode query, up to 64.
+    assert _block_m(1, 4) == 16 and _block_m(16, 4) == 64 and _block_m(512, 4) == 64
+    # Key tiles: 32 keys for 2-16 query rows (verify, drafter blocks) over short splits only;
+    # decode, prefill and long splits keep 64 (32 for wide heads).
+    assert _block_n(16, 128, 64) == 32
+    assert _block_n(2, 64, SHORT_SPLIT_KEYS) == 32
+    assert _block_n(16, 128, SHORT_SPLIT_KEYS + 1) == 64
+    assert _block_n(1, 128, 64) == 64
+    assert _block_n(17, 128, 64) == 64
+    assert _block_n(512, 256, 4096) == 32
+    # A decode query's 16-row tile runs on 2 warps over a short split, else 4 (8 for big tiles).
+    assert _num_warps(16, 128, 64) == 2
+    assert _num_warps(16, 128, SHORT_SPLIT_KEYS + 1) == 4
+    assert _num_warps(64, 128, 64) == 4
+    assert _num_warps(64, 256, 64) == 8
 
 
 # --- KV store ------------------------------------------------------------------------------

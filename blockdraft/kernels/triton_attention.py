@@ -313,21 +313,29 @@ def choose_num_splits(
     return max(1, min(want, max_seq_len // 64, 64))
 
 
-def _tile_sizes(max_query_len: int, group: int, head_dim: int) -> tuple[int, int]:
+# Programs that walk at most this many keys (split-K over a short context, as in decode and
+# verify over ~0.5-1k keys: 64-173 keys a program in the runs measured) take the launch
+# measured there: 2 warps for a decode query's 16-row tile and 32-key tiles for 2-16 query
+# rows. Longer walks (long contexts) keep the launch they had, which was not measured against.
+SHORT_SPLIT_KEYS = 256
+
+
+def _block_m(max_query_len: int, group: int) -> int:
     # Enough rows for the whole GQA group of every query of a short sequence, at least 16 for
     # tl.dot, at most 64 (128-row tiles with fp32 accumulators spill at head_dim 128).
     rows = triton.next_power_of_2(max(max_query_len * group, group, 16))
-    block_m = min(rows, max(64, triton.next_power_of_2(group)))
-    block_n = 64 if head_dim <= 128 else 32
-    if 1 < max_query_len <= 16:  # verify and drafter blocks: shorter key tiles (measured above)
-        block_n = 32
-    return block_m, block_n
+    return min(rows, max(64, triton.next_power_of_2(group)))
 
 
-def _num_warps(block_m: int, block_d: int) -> int:
-    # A 16-row tile (one decode query's GQA group) runs best on 2 warps (measured above).
-    if block_m <= 16:
-        return 2
+def _block_n(max_query_len: int, head_dim: int, keys_per_program: int) -> int:
+    if keys_per_program <= SHORT_SPLIT_KEYS and 1 < max_query_len <= 16:
+        return 32  # verify and drafter blocks over short splits (measured above)
+    return 64 if head_dim <= 128 else 32
+
+
+def _num_warps(block_m: int, block_d: int, keys_per_program: int) -> int:
+    if keys_per_program <= SHORT_SPLIT_KEYS and block_m <= 16:
+        return 2  # one decode query's GQA group over a short split (measured above)
     return 4 if block_m * block_d <= 64 * 128 else 8
 
 
@@ -362,9 +370,7 @@ def triton_paged_attention(
     if key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or out.stride(2) != 1:
         raise ValueError("key_cache, value_cache and out need a contiguous head_dim")
 
-    default_m, default_n = _tile_sizes(meta.max_query_len, group, head_dim)
-    block_m = block_m or default_m
-    block_n = block_n or default_n
+    block_m = block_m or _block_m(meta.max_query_len, group)
     if block_m < group:
         raise ValueError(f"block_m {block_m} cannot hold a GQA group of {group}")
     block_q = block_m // group
@@ -378,6 +384,8 @@ def triton_paged_attention(
             else 1
         )
     split = num_splits > 1
+    keys_per_program = -(-meta.max_seq_len // num_splits)  # at most: max_seq_len is a bound
+    block_n = block_n or _block_n(meta.max_query_len, head_dim, keys_per_program)
     if split:
         part_out = torch.empty(
             (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device
@@ -432,7 +440,7 @@ def triton_paged_attention(
         SPLIT=split,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        num_warps=num_warps or _num_warps(block_m, block_d),
+        num_warps=num_warps or _num_warps(block_m, block_d, keys_per_program),
         num_stages=num_stages or 2,
         **launch_options(pdl),
     )
