@@ -107,22 +107,25 @@ def weight_bytes(cfg: dict) -> int:
     return 2 * (layers * per_layer + cfg["vocab_size"] * h)
 
 
-DRAFTER_SETS = ("gsm8k", "aime2025", "humaneval", "mtbench")
-
-
 def shipped_drafter_bench(
     num_prompts: int, max_tokens: int, device: str = "cuda"
 ) -> list[dict] | None:
     """d. The default target with its shipped drafter (real acceptance, T = 0) against our AR
     mode on `num_prompts` prompts of each installed prompt set; None, with the reason printed,
     when no set is installed or the default target cannot be loaded."""
-    from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench
+    from blockdraft.bench import (
+        PROMPT_SETS,
+        format_table,
+        load_prompt_set,
+        results_json,
+        run_bench,
+    )
 
     gc.collect()  # the 8B engines' memory back before two more engines size their caches
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     sets = {}
-    for name in DRAFTER_SETS:
+    for name in PROMPT_SETS:
         try:
             sets[name] = load_prompt_set(name, num_prompts)
         except ValueError as e:  # its package is not installed

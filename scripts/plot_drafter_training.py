@@ -26,22 +26,23 @@ def rolling_mean(values: list[float]) -> np.ndarray:
     return np.convolve(values, kernel, mode="valid")
 
 
+def round_of(path: Path) -> int:
+    return int(re.search(r"round(\d+)", path.name).group(1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--logs", type=Path, default=Path("docs/drafter"))
     ap.add_argument("--out", type=Path, default=Path("docs/drafter/training.png"))
     args = ap.parse_args()
-    logs = sorted(
-        args.logs.glob("train_log_round*.jsonl"),
-        key=lambda p: int(re.search(r"round(\d+)", p.name).group(1)),
-    )
+    logs = sorted(args.logs.glob("train_log_round*.jsonl"), key=round_of)
     if not logs:
         raise SystemExit(f"no train_log_round*.jsonl in {args.logs}")
     fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(12, 4.2))
     offset = 0
     for path in logs:
         steps = [json.loads(line) for line in path.open() if line.strip()]
-        label = "round " + re.search(r"round(\d+)", path.name).group(1)
+        label = f"round {round_of(path)}"
         loss = rolling_mean([s["loss"] for s in steps])
         tau = rolling_mean([s["acceptance_length"] for s in steps])
         x = offset + np.arange(len(loss)) + min(WINDOW, len(steps))
