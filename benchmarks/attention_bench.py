@@ -76,6 +76,7 @@ def time_case(
     seq_len: int,
     gen: torch.Generator,
     reps: int,
+    sweep: bool = True,
 ) -> dict:
     """Per-layer microseconds of the default launch and of every variant (checked against
     the default's output) for one (batch, query rows, keys) case."""
@@ -95,7 +96,8 @@ def time_case(
     ref = calls()[0]().clone()
     default_us = time_per_call(calls(), layers, reps) * 1e6
     variants = []
-    for splits, block_n, warps, stages in itertools.product(SPLITS, BLOCK_NS, WARPS, STAGES):
+    grid = itertools.product(SPLITS, BLOCK_NS, WARPS, STAGES) if sweep else ()
+    for splits, block_n, warps, stages in grid:
         launch = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             err = (calls(**launch)[0]().float() - ref.float()).abs().max().item()
@@ -105,8 +107,9 @@ def time_case(
             variants.append({**launch, "us": us})
         except Exception as exc:  # a launch that does not compile or fit
             print(f"  skip {launch}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    best = min(variants, key=lambda v: v["us"]) if variants else {"us": default_us}
     return {"batch": batch, "query_len": q_len, "seq_len": seq_len, "default_us": default_us,
-            "best": min(variants, key=lambda v: v["us"]), "variants": variants}  # fmt: skip
+            "best": best, "variants": variants}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -117,7 +120,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reps", type=int, default=5, help="timed replays per variant")
     parser.add_argument("--shape", choices=SHAPES, default="qwen3-8b", help="attention shapes")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-sweep", action="store_true", help="time the default launch only")
+    parser.add_argument(
+        "--short-split-keys", type=int, default=None,
+        help="override triton_attention.SHORT_SPLIT_KEYS (the longest walk a program may make "
+        "and still take the short-split launch) for this run",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.short_split_keys is not None:
+        from blockdraft.kernels import triton_attention
+
+        triton_attention.SHORT_SPLIT_KEYS = args.short_split_keys
 
     if not torch.cuda.is_available():
         sys.exit("attention_bench.py times CUDA kernels and needs a CUDA GPU; none is visible.")
@@ -125,7 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     cases = []
     for batch, q_len, seq_len in itertools.product(args.batches, args.query_lens, args.seq_lens):
-        case = time_case(SHAPES[args.shape], batch, q_len, seq_len, gen, args.reps)
+        case = time_case(
+            SHAPES[args.shape], batch, q_len, seq_len, gen, args.reps, not args.no_sweep
+        )
         cases.append(case)
         best = case["best"]
         print(
@@ -147,10 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
                 c["seq_len"],
                 c["default_us"],
                 c["best"]["us"],
-                c["best"]["num_splits"],
-                c["best"]["block_n"],
-                c["best"]["num_warps"],
-                c["best"]["num_stages"],
+                c["best"].get("num_splits", "default"),
+                c["best"].get("block_n", "default"),
+                c["best"].get("num_warps", "default"),
+                c["best"].get("num_stages", "default"),
             ]
             for c in cases
         ],  # fmt: skip
