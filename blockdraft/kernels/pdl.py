@@ -181,6 +181,21 @@ def l2_cache_bytes(device: torch.device) -> int:
 
 
 @triton.jit
+def bulk_prefetch_l2(addr, size):
+    """One `cp.async.bulk.prefetch.L2` per element: `size` bytes (int32, a multiple of 16; 0
+    issues nothing) from `addr` (an int8 pointer, 16-byte aligned) towards L2."""
+    tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l,r",
+        [addr, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def span_pieces(
     nbytes,  # the span's length, a multiple of 16
     program,  # this program's index among num_programs
@@ -209,16 +224,7 @@ def prefetch_span_l2(
     (`span_pieces`), one instruction per non-empty piece. Fire and forget: the program goes on
     at once while the lines travel to L2."""
     start, size = span_pieces(nbytes, program, num_programs, LANES)
-    addr = base_ptr.to(tl.pointer_type(tl.int8)) + start
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,r",
-        [addr, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    bulk_prefetch_l2(base_ptr.to(tl.pointer_type(tl.int8)) + start, size)
 
 
 @triton.jit
@@ -244,11 +250,4 @@ def prefetch_rows_l2(
     size = tl.where(piece == CHUNKS - 1, nbytes - start, chunk)
     elem_bytes: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     addr = base_ptr.to(tl.pointer_type(tl.int8)) + row * stride_row * elem_bytes + start
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [addr, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    bulk_prefetch_l2(addr, size)
