@@ -207,9 +207,7 @@ def mean_step_ms(
 # extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
 # "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
 # "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
-# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "oprefetchM" = the attention
-# kernel's L2 prefetch of the o projection's weight, at most M MiB (decoder.PREFETCH_O_PROJ on;
-# neither: the defaults).
+# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB.
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
     ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
@@ -234,11 +232,6 @@ ABLATION = [
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
     ("DFlash", "PDL on every launch", 16, True, True, True, "pdl"),
-    # The attention kernel prefetching the o projection's weight into L2 (decoder.PREFETCH_O_PROJ):
-    # all 32 MiB of the 8B o projection, or its first half.
-    ("AR", "o_proj L2 prefetch 32 MiB", 16, True, True, True, "async oprefetch32"),
-    ("AR", "o_proj L2 prefetch 16 MiB", 16, True, True, True, "async oprefetch16"),
-    ("DFlash", "o_proj L2 prefetch 32 MiB", 16, True, True, True, "oprefetch32"),
 ]
 
 
@@ -261,8 +254,7 @@ def ablate(
 
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
-    o_prefetch_default = decoder.PREFETCH_O_PROJ
-    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.ATTN_PREFETCH_ENV_VAR)
+    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
@@ -276,9 +268,6 @@ def ablate(
         os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
         prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
         os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
-        o_prefetch = [f.removeprefix("oprefetch") for f in flags if f.startswith("oprefetch")]
-        os.environ[pdl.ATTN_PREFETCH_ENV_VAR] = o_prefetch[0] if o_prefetch else ""
-        decoder.PREFETCH_O_PROJ = bool(o_prefetch) or o_prefetch_default
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -294,7 +283,6 @@ def ablate(
         gc.collect()
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
-    decoder.PREFETCH_O_PROJ = o_prefetch_default
     for name, value in env_default.items():
         if value is None:
             os.environ.pop(name)
@@ -446,13 +434,6 @@ def main() -> None:
         "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
     )
     p.add_argument(
-        "--prefetch-o-proj",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the attention kernel prefetches the o projection's weight into L2 "
-        "(decoder.PREFETCH_O_PROJ)",
-    )
-    p.add_argument(
         "--fuse-norm",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -488,8 +469,6 @@ def main() -> None:
         decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
     if args.fuse_kv_store is not None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
-    if args.prefetch_o_proj is not None:
-        decoder.PREFETCH_O_PROJ = args.prefetch_o_proj
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
@@ -497,7 +476,6 @@ def main() -> None:
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
-    results["prefetch_o_proj"] = decoder.PREFETCH_O_PROJ
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 

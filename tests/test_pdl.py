@@ -11,8 +11,7 @@ import sys
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+pytest.importorskip("triton")
 
 from blockdraft.kernels import pdl  # noqa: E402
 from blockdraft.kernels.forward_context import AttentionMetadata, forward_context  # noqa: E402
@@ -142,14 +141,8 @@ variants = {
                                  HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),
     "attention split": (_paged_attention_kernel,
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
-                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32",
-                             PREFETCH_LANES=0),
+                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32"),
                         {}),
-    "attention split, o_proj prefetch": (
-        _paged_attention_kernel,
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=32, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32", PREFETCH_LANES=64),
-        {"num_warps": 2}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),
     "rope + kv store": (_qk_norm_rope_kernel,
@@ -174,71 +167,10 @@ def test_pdl_kernels_compile_for_hopper() -> None:
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, c in counts.items():
         assert c["cubin"] > 0, name
-        if "o_proj prefetch" in name:  # one predicated bulk prefetch per thread, PDL or not
-            pdl_on = name.endswith("pdl=True")
-            assert c["prefetch"] == 1 and c["wait"] == c["launch"] == int(pdl_on), (name, c)
-        elif name.endswith("pdl=False"):
+        if name.endswith("pdl=False"):
             assert c["wait"] == c["launch"] == c["prefetch"] == 0, (name, c)
         elif name.startswith("skinny"):
             # Prefetch the weights, then wait; a GEMM lets its successor launch only on exit.
             assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == 0, (name, c)
         else:  # short kernels: let the next kernel launch, then wait
             assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 0, (name, c)
-
-
-@triton.jit
-def _span_pieces_kernel(start_ptr, size_ptr, nbytes, num_programs, LANES: tl.constexpr):
-    program = tl.program_id(0)
-    start, size = pdl.span_pieces(nbytes, program, num_programs, LANES)
-    offs = program * LANES + tl.arange(0, LANES)
-    tl.store(start_ptr + offs, start)
-    tl.store(size_ptr + offs, size)
-
-
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the interpreter")
-def test_span_pieces_tile_the_span(rng) -> None:
-    """The attention programs' prefetch pieces cover the span exactly, in order, without overlap,
-    in 16-byte units, whatever the span and the program count (including more pieces than
-    16-byte units, and a span that ends inside a program's share)."""
-    for _ in range(6):
-        lanes = [32, 64, 128][int(torch.randint(3, (1,), generator=rng))]
-        num_programs = int(torch.randint(1, 80, (1,), generator=rng))
-        nbytes = 16 * int(torch.randint(1, 300_000, (1,), generator=rng))
-        start = torch.full((num_programs * lanes,), -1, dtype=torch.int64)
-        size = torch.full((num_programs * lanes,), -1, dtype=torch.int32)
-        _span_pieces_kernel[(num_programs,)](start, size, nbytes, num_programs, LANES=lanes)
-        size = size.long()
-        assert (size >= 0).all() and (size % 16 == 0).all() and (start % 16 == 0).all()
-        used = size > 0
-        assert int(size.sum()) == nbytes
-        ends = start[used] + size[used]
-        assert start[used][0] == 0 and torch.equal(start[used][1:], ends[:-1])
-
-
-def test_span_prefetch_bytes() -> None:
-    """The span a weight may prefetch: capped, in 16-byte units, none for a non-contiguous or
-    unaligned tensor or a zero cap."""
-    w = torch.empty(64, 40, dtype=torch.bfloat16)  # 5,120 bytes
-    assert pdl.span_prefetch_bytes(w, 1 << 30) == 5120
-    assert pdl.span_prefetch_bytes(w, 1000) == 992
-    assert pdl.span_prefetch_bytes(w, 0) == 0
-    assert pdl.span_prefetch_bytes(w.t(), 1 << 30) == 0
-    assert pdl.span_prefetch_bytes(w.view(-1)[1:], 1 << 30) == 0  # starts 2 bytes in
-
-
-def test_attention_prefetch_cap_from_environment(monkeypatch) -> None:
-    """Default: a fixed share of the device's L2 (none on the CPU); the environment sets MiB;
-    bad values are named."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(pdl, "l2_cache_bytes", lambda device: 50 * 1024**2)
-    monkeypatch.delenv(pdl.ATTN_PREFETCH_ENV_VAR, raising=False)
-    share = pdl.ATTENTION_PREFETCH_L2_FRACTION
-    assert pdl.attention_prefetch_cap(cuda) == int(50 * 1024**2 * share)
-    monkeypatch.setenv(pdl.ATTN_PREFETCH_ENV_VAR, "16")
-    assert pdl.attention_prefetch_cap(cuda) == 16 * 1024**2
-    monkeypatch.setenv(pdl.ATTN_PREFETCH_ENV_VAR, "0")
-    assert pdl.attention_prefetch_cap(cuda) == 0
-    for bad in ("-2", "half", "nan"):
-        monkeypatch.setenv(pdl.ATTN_PREFETCH_ENV_VAR, bad)
-        with pytest.raises(ValueError, match=pdl.ATTN_PREFETCH_ENV_VAR):
-            pdl.attention_prefetch_cap(cuda)

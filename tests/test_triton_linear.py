@@ -212,49 +212,6 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) 
     assert w.grad is not None
 
 
-def test_attention_prefetches_o_proj_where_skinny(rng, monkeypatch) -> None:
-    """The attention call gets the o projection's weight to prefetch into L2 exactly where that
-    projection then runs the skinny GEMM (few rows, its device, outside autograd), and the layer's
-    output is the same either way (the prefetch is a hint)."""
-    from blockdraft.layers.rotary import RotaryEmbedding
-    from blockdraft.models.decoder import SelfAttention
-
-    monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", False)  # attention as self.attn(...)
-    monkeypatch.setattr(decoder, "PREFETCH_O_PROJ", True)
-    cfg = tiny_qwen3_config(num_layers=1)
-    rotary = RotaryEmbedding(cfg.head_dim, 64, cfg.rope_theta)
-    layer = SelfAttention(cfg, rotary).to(DEVICE)
-    seen = []
-
-    class Spy(nn.Module):
-        def forward(self, q, k, v, prefetch=None):
-            seen.append(prefetch)
-            return q * 2.0  # any function of q: the prefetch must not change the output
-
-    layer.attn = Spy()
-
-    def run(rows: int) -> torch.Tensor:
-        x = randn(rng, rows, cfg.hidden_size)
-        positions = torch.arange(rows, device=DEVICE)
-        with torch.no_grad():
-            return layer(x, positions)
-
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", "no such device")  # the CPU's default
-    run(3)
-    assert seen.pop() is None
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    for rows, expected in [(1, layer.o_proj.weight), (16, layer.o_proj.weight), (17, None)]:
-        run(rows)
-        assert seen.pop() is expected, rows
-    monkeypatch.setattr(decoder, "PREFETCH_O_PROJ", False)
-    run(2)
-    assert seen.pop() is None
-    monkeypatch.setattr(decoder, "PREFETCH_O_PROJ", True)
-    x = randn(rng, 2, cfg.hidden_size)
-    layer(x, torch.arange(2, device=DEVICE)).sum().backward()  # autograd: F.linear, no hint
-    assert seen.pop() is None
-
-
 def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
     """With the device allowed (the interpreter on CPU), an MLP's gate_up and down projections
     and the LM head go through the skinny GEMM for up to SKINNY_MAX_ROWS rows outside autograd,
@@ -478,9 +435,7 @@ def test_skinny_linear_rms_norm_errors(rng) -> None:
 class StubAttention(nn.Module):
     """A cheap deterministic stand-in for PagedAttention (no KV cache or metadata needed)."""
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefetch: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return 0.5 * q + v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) - k.mean(1, True)
 
 

@@ -87,7 +87,6 @@ def paged_attention(
     scale: float,
     causal: bool = True,
     window: int | None = None,
-    prefetch: torch.Tensor | None = None,  # the Triton kernel's L2 hint; nothing to do here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, max_q = meta.num_seqs, meta.max_query_len

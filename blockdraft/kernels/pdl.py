@@ -46,11 +46,6 @@ PDL_ON_HOPPER = True
 # measured; a budget should stay inside the H100/H200's 50 MB, so that prefetched lines are
 # still there when the main loop reads them.
 L2_PREFETCH_BUDGET = 0
-ATTN_PREFETCH_ENV_VAR = "BLOCKDRAFT_ATTN_PREFETCH_MIB"
-# Of the L2, the share an attention launch's prefetch of the next weight (the o projection's)
-# may fill: the rest keeps what the step reads meanwhile (keys, values, partial sums). An 8B
-# model's o projection (32 MiB) fits the H100 / H200's 50 MiB under 3/4.
-ATTENTION_PREFETCH_L2_FRACTION = 0.75
 
 
 @functools.cache
@@ -82,33 +77,19 @@ def pdl_enabled(device: torch.device) -> bool:
     return _device_has_pdl(device.index if device.index is not None else 0)
 
 
-def _mib_from_env(name: str) -> int | None:
-    """Bytes from an environment variable given in MiB (>= 0); None when it is unset."""
-    value = os.environ.get(name, "").strip()
+def l2_prefetch_budget() -> int:
+    """Bytes the first wave of a PDL-launched skinny GEMM may prefetch into L2:
+    L2_PREFETCH_BUDGET unless BLOCKDRAFT_PDL_PREFETCH_MIB says otherwise."""
+    value = os.environ.get(PREFETCH_ENV_VAR, "").strip()
     if not value:
-        return None
+        return L2_PREFETCH_BUDGET
     try:
         mib = float(value)
     except ValueError:
         mib = -1.0
     if not mib >= 0:  # also rejects nan
-        raise ValueError(f"{name} must be a number of MiB >= 0, got {value!r}")
+        raise ValueError(f"{PREFETCH_ENV_VAR} must be a number of MiB >= 0, got {value!r}")
     return int(mib * 1024**2)
-
-
-def l2_prefetch_budget() -> int:
-    """Bytes the first wave of a PDL-launched skinny GEMM may prefetch into L2:
-    L2_PREFETCH_BUDGET unless BLOCKDRAFT_PDL_PREFETCH_MIB says otherwise."""
-    budget = _mib_from_env(PREFETCH_ENV_VAR)
-    return L2_PREFETCH_BUDGET if budget is None else budget
-
-
-def attention_prefetch_cap(device: torch.device) -> int:
-    """Bytes of the next GEMM's weight an attention launch may prefetch into L2:
-    ATTENTION_PREFETCH_L2_FRACTION of the device's L2 unless BLOCKDRAFT_ATTN_PREFETCH_MIB says
-    otherwise (0: none)."""
-    cap = _mib_from_env(ATTN_PREFETCH_ENV_VAR)
-    return int(l2_cache_bytes(device) * ATTENTION_PREFETCH_L2_FRACTION) if cap is None else cap
 
 
 @functools.lru_cache(maxsize=8)
@@ -163,70 +144,6 @@ def pdl_start(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
-def span_prefetch_bytes(weight: torch.Tensor, cap: int) -> int:
-    """Bytes of `weight` (from its start) that `prefetch_span_l2` may fetch: at most `cap`,
-    16-byte multiples (the bulk prefetch's unit), 0 unless the tensor is contiguous and starts
-    16-byte aligned."""
-    if not weight.is_contiguous() or weight.data_ptr() % 16 or cap <= 0:
-        return 0
-    nbytes = min(weight.numel() * weight.element_size(), cap)
-    return nbytes - nbytes % 16
-
-
-@functools.lru_cache(maxsize=8)
-def l2_cache_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).L2_cache_size
-    return 0
-
-
-@triton.jit
-def bulk_prefetch_l2(addr, size):
-    """One `cp.async.bulk.prefetch.L2` per element: `size` bytes (int32, a multiple of 16; 0
-    issues nothing) from `addr` (an int8 pointer, 16-byte aligned) towards L2."""
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.s32 p, $2, 0;\n\t"
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,l,r",
-        [addr, size],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
-def span_pieces(
-    nbytes,  # the span's length, a multiple of 16
-    program,  # this program's index among num_programs
-    num_programs,
-    LANES: tl.constexpr,
-):
-    """(start [LANES] int64, size [LANES] int32) of this program's pieces of a span of bytes:
-    num_programs shares of LANES pieces each, 16-byte multiples, in order; pieces past the
-    span's end have size 0."""
-    piece = tl.cdiv(tl.cdiv(nbytes, num_programs * LANES), 16) * 16
-    lane = tl.arange(0, LANES)
-    start = (program * LANES + lane).to(tl.int64) * piece
-    size = tl.minimum(tl.maximum(nbytes - start, 0), piece).to(tl.int32)
-    return start, size
-
-
-@triton.jit
-def prefetch_span_l2(
-    base_ptr,  # the span's first byte (any element type), 16-byte aligned
-    nbytes,  # the span's length, a multiple of 16
-    program,  # this program's index among num_programs
-    num_programs,
-    LANES: tl.constexpr,  # pieces per program: one per thread, so each thread issues one
-):
-    """Bulk L2 prefetches (sm_90 `cp.async.bulk.prefetch.L2`) of this program's pieces of a span
-    (`span_pieces`), one instruction per non-empty piece. Fire and forget: the program goes on
-    at once while the lines travel to L2."""
-    start, size = span_pieces(nbytes, program, num_programs, LANES)
-    bulk_prefetch_l2(base_ptr.to(tl.pointer_type(tl.int8)) + start, size)
-
-
 @triton.jit
 def prefetch_rows_l2(
     base_ptr,  # W's element at (row 0, this split's first column)
@@ -250,4 +167,11 @@ def prefetch_rows_l2(
     size = tl.where(piece == CHUNKS - 1, nbytes - start, chunk)
     elem_bytes: tl.constexpr = base_ptr.dtype.element_ty.primitive_bitwidth // 8
     addr = base_ptr.to(tl.pointer_type(tl.int8)) + row * stride_row * elem_bytes + start
-    bulk_prefetch_l2(addr, size)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [addr, size],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

@@ -22,15 +22,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.forward_context import AttentionMetadata
-from blockdraft.kernels.pdl import (
-    attention_prefetch_cap,
-    launch_options,
-    num_sms,
-    pdl_enabled,
-    pdl_start,
-    prefetch_span_l2,
-    span_prefetch_bytes,
-)
+from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start
 
 _LOG2E = 1.4426950408889634
 
@@ -113,7 +105,7 @@ def _attend_tile(
 
 # Runtime sizes are not specialised (Triton compiles values of 1 and multiples of 16 apart):
 # an eager call whose block-table width or split count crosses one must not compile mid-serving.
-@triton.jit(do_not_specialize=["stride_bt", "tiles_per_seq", "num_splits", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["stride_bt", "tiles_per_seq", "num_splits"])
 def _paged_attention_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -142,8 +134,6 @@ def _paged_attention_kernel(
     block_size,
     window,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
-    prefetch_ptr,  # with PREFETCH_LANES: bytes the next kernel reads (the o projection's weight)
-    prefetch_bytes,  # with PREFETCH_LANES: the span's length, a multiple of 16
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,20 +144,11 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
-    PREFETCH_LANES: tl.constexpr,  # 0, or the threads that share the L2 prefetch of a program
 ):
+    pdl_start(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH_LANES:
-        # The weights are never written by the step: no need to wait before asking for them.
-        n0 = tl.num_programs(0)
-        n1 = tl.num_programs(1)
-        program = pid + n0 * (kv_head + n1 * split)
-        prefetch_span_l2(
-            prefetch_ptr, prefetch_bytes, program, n0 * n1 * tl.num_programs(2), PREFETCH_LANES
-        )
-    pdl_start(PDL)
     seq = pid // tiles_per_seq
     tile = pid % tiles_per_seq
     # Rows of the tile are (query token, head of the group) pairs, token-major.
@@ -373,13 +354,7 @@ def triton_paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    prefetch: torch.Tensor | None = None,  # the next kernel's weight, e.g. [hidden, H * D]
-    prefetch_cap: int | None = None,  # bytes of it at most; None: pdl.attention_prefetch_cap
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Attention of each query row over its sequence's cached keys (the contract of
-    `blockdraft.kernels.paged_attention.paged_attention`). With `prefetch` (CUDA only), the
-    programs also ask L2 for the first bytes of that weight while they attend (HBM idles under
-    attention), so that the GEMM that follows (the o projection) finds them there."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -427,12 +402,6 @@ def triton_paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
     pdl = pdl_enabled(query.device)
-    warps = num_warps or _num_warps(block_m, block_d, keys_per_program)
-    prefetch_bytes = 0
-    if prefetch is not None and query.device.type == "cuda":
-        if prefetch_cap is None:
-            prefetch_cap = attention_prefetch_cap(query.device)
-        prefetch_bytes = span_prefetch_bytes(prefetch, prefetch_cap)
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -461,8 +430,6 @@ def triton_paged_attention(
         meta.block_size,
         window or 0,
         scale * _LOG2E,
-        prefetch if prefetch_bytes else query,
-        prefetch_bytes,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
@@ -473,8 +440,7 @@ def triton_paged_attention(
         SPLIT=split,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        PREFETCH_LANES=32 * warps if prefetch_bytes else 0,
-        num_warps=warps,
+        num_warps=num_warps or _num_warps(block_m, block_d, keys_per_program),
         num_stages=num_stages or 2,
         **launch_options(pdl),
     )

@@ -35,23 +35,20 @@ class PagedAttention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        prefetch: torch.Tensor | None = None,  # the next GEMM's weight, a hint for L2
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         meta = get_attention_metadata()
         self._store_kv(query.device)(
             key, value, self.key_cache, self.value_cache, meta.slot_mapping
         )
-        return self.attend(query, prefetch)
+        return self.attend(query)
 
     def attend(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        prefetch: torch.Tensor | None = None,  # the next GEMM's weight, a hint for L2
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention over the cache alone: this step's keys and values are already in it (stored
         by the RoPE kernel, `blockdraft.models.decoder.FUSE_KV_STORE_INTO_ROPE`)."""
         meta = get_attention_metadata()
         return self._attention(query.device)(
-            query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,
-            prefetch=prefetch,
-        )  # fmt: skip
+            query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window
+        )

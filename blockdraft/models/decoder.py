@@ -46,11 +46,6 @@ FUSE_NORM_INTO_SKINNY = True
 # the store kernel's launch (one per layer). On the H200 (gpu_bench.py --ablate): the batch-1
 # DFlash N = 15 step 6.38 -> 6.27 ms, the decode step unchanged.
 FUSE_KV_STORE_INTO_ROPE = True
-# Where the o projection runs the skinny GEMM, the attention kernel before it may ask L2 for its
-# weight (up to 3/4 of the L2, blockdraft.kernels.pdl) while it attends: HBM idles under
-# attention, and the GEMM would then read L2 instead. Off until measured on the H200
-# (gpu_bench.py --ablate --ablate-only "o_proj L2").
-PREFETCH_O_PROJ = False
 # The two prologues above run for at most this many rows even where SKINNY_MAX_ROWS is larger:
 # at 16 rows (a batch-1 verify) the prologue path doubled the H200's step (gpu_bench --ablate).
 PROLOGUE_MAX_ROWS = 2
@@ -208,21 +203,11 @@ class SelfAttention(nn.Module):
             q, _ = self.rotary.forward_store(
                 positions, q, k, v, attn.key_cache, attn.value_cache, slots, *self._norms()
             )
-            # this step's keys and values are in the cache already
-            out = attn.attend(q, self._o_proj_prefetch(q))
+            out = attn.attend(q)  # this step's keys and values are in the cache already
         else:
             q, k = self.norm_rope(positions, q, k)
-            out = self.attn(q, k, v, self._o_proj_prefetch(q))
+            out = self.attn(q, k, v)
         return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
-
-    def _o_proj_prefetch(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    ) -> torch.Tensor | None:
-        """The o projection's weight, for the attention kernel to prefetch into L2, where the
-        skinny GEMM will read it (PREFETCH_O_PROJ); None where cuBLAS or the CPU runs it."""
-        o = self.o_proj
-        return o.weight if PREFETCH_O_PROJ and skinny(q.flatten(1), o.weight, o.bias) else None
 
 
 class MLP(nn.Module):
