@@ -313,10 +313,11 @@ def choose_num_splits(
     return max(1, min(want, max_seq_len // 64, 64))
 
 
-# Programs that walk at most this many keys (split-K over a short context, as in decode and
-# verify over ~0.5-1k keys: 64-173 keys a program in the runs measured) take the launch
-# measured there: 2 warps for a decode query's 16-row tile and 32-key tiles for 2-16 query
-# rows. Longer walks (long contexts) keep the launch they had, which was not measured against.
+# 2-16 query rows (verify, drafter blocks) take 32-key tiles where a program walks at most this
+# many keys (split-K over a short context: 64-173 keys a program in the runs that chose it).
+# Over longer walks 64-key tiles won at batch 1 and 32 and lost at batch 8 (H200, Qwen3-8B
+# shapes, 16 rows, 1k-16k keys, `attention_bench.py --no-sweep --short-split-keys`; BENCHMARKS.md
+# run XIII), so they keep 64.
 SHORT_SPLIT_KEYS = 256
 
 
@@ -333,9 +334,12 @@ def _block_n(max_query_len: int, head_dim: int, keys_per_program: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-def _num_warps(block_m: int, block_d: int, keys_per_program: int) -> int:
-    if keys_per_program <= SHORT_SPLIT_KEYS and block_m <= 16:
-        return 2  # one decode query's GQA group over a short split (measured above)
+def _num_warps(block_m: int, block_d: int) -> int:
+    # A decode query's 16-row GQA tile on 2 warps, at every context length measured: per layer
+    # 6.3-7.6 vs 8.5-8.9 us at 512-768 keys (batch 1, run XII), and 10-21% faster than 4 warps
+    # at 4k-16k keys (batch 1 and 8) and 1k-16k (batch 32) in run XIII.
+    if block_m <= 16:
+        return 2
     return 4 if block_m * block_d <= 64 * 128 else 8
 
 
@@ -440,7 +444,7 @@ def triton_paged_attention(
         SPLIT=split,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        num_warps=num_warps or _num_warps(block_m, block_d, keys_per_program),
+        num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
     )
