@@ -207,7 +207,8 @@ def mean_step_ms(
 # extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
 # "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
 # "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
-# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB.
+# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "silu16" = the SiLU·mul prologue
+# up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
     ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
@@ -232,6 +233,8 @@ ABLATION = [
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
     ("DFlash", "PDL on every launch", 16, True, True, True, "pdl"),
+    ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
+    ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
 
 
@@ -254,6 +257,7 @@ def ablate(
 
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
+    silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
@@ -268,6 +272,7 @@ def ablate(
         os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
         prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
         os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
+        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -283,6 +288,7 @@ def ablate(
         gc.collect()
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
+    decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     for name, value in env_default.items():
         if value is None:
             os.environ.pop(name)
@@ -434,6 +440,13 @@ def main() -> None:
         "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
     )
     p.add_argument(
+        "--silu-mul-prologue-rows",
+        type=int,
+        default=None,
+        help="the down projection forms SiLU·mul in its loads up to this many rows "
+        "(decoder.SILU_MUL_PROLOGUE_MAX_ROWS)",
+    )
+    p.add_argument(
         "--fuse-norm",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -469,6 +482,8 @@ def main() -> None:
         decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
     if args.fuse_kv_store is not None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
+    if args.silu_mul_prologue_rows is not None:
+        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
@@ -476,6 +491,7 @@ def main() -> None:
     results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
+    results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 

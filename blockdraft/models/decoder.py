@@ -49,6 +49,9 @@ FUSE_KV_STORE_INTO_ROPE = True
 # The two prologues above run for at most this many rows even where SKINNY_MAX_ROWS is larger:
 # at 16 rows (a batch-1 verify) the prologue path doubled the H200's step (gpu_bench --ablate).
 PROLOGUE_MAX_ROWS = 2
+# The SiLU·mul prologue alone may run on more rows: unlike the norm's (a pass over each whole
+# row in every program), it only reads the gate and up halves of the tile it multiplies.
+SILU_MUL_PROLOGUE_MAX_ROWS = 2
 
 
 def skinny(
@@ -66,9 +69,11 @@ def skinny(
 def prologue_fits(
     x: torch.Tensor,  # [num_tokens, in_features]
     *params: torch.Tensor | None,
+    max_rows: int | None = None,  # None: PROLOGUE_MAX_ROWS
 ) -> bool:
     """Whether the skinny GEMM of x may also form its input in its loads (a prologue)."""
-    return x.shape[:-1].numel() <= PROLOGUE_MAX_ROWS and skinny(x, *params)
+    limit = PROLOGUE_MAX_ROWS if max_rows is None else max_rows
+    return x.shape[:-1].numel() <= limit and skinny(x, *params)
 
 
 def linear(
@@ -237,7 +242,8 @@ class MLP(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         """The rest of `forward` after the fused gate/up projection."""
         down = self.down_proj
-        if FUSE_SILU_MUL_INTO_DOWN and prologue_fits(gate_up, down.weight, down.bias):
+        fits = prologue_fits(gate_up, down.weight, down.bias, max_rows=SILU_MUL_PROLOGUE_MAX_ROWS)
+        if FUSE_SILU_MUL_INTO_DOWN and fits:
             return get_linear_backend(gate_up.device)(
                 gate_up, down.weight, down.bias, silu_mul_input=True
             )
