@@ -106,7 +106,7 @@ def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsy
         return ["What is 12 + 30?", "Tom has 3 apples and buys 4 more. How many now?"][:limit]
 
     monkeypatch.setattr(bench, "load_prompt_set", only_gsm8k)
-    rows = gpu_bench.shipped_drafter_bench(2, 8, device="cpu")
+    rows = gpu_bench.shipped_drafter_bench(2, 8, device="cpu", repeats=1)
     assert [(r["set"], r["temperature"], r["num_prompts"]) for r in rows] == [("gsm8k", 0.0, 2)]
     assert rows[0]["mean_acceptance_length"] >= 1.0
     assert rows[0]["ar_tok_s"] > 0 and rows[0]["dflash_tok_s"] > 0
@@ -116,5 +116,5 @@ def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsy
         raise ValueError(f"prompt set {name!r} needs `pip install --no-deps X`")
 
     monkeypatch.setattr(bench, "load_prompt_set", none_installed)
-    assert gpu_bench.shipped_drafter_bench(2, 8, device="cpu") is None
+    assert gpu_bench.shipped_drafter_bench(2, 8, device="cpu", repeats=1) is None
     assert "d. skipped: no prompt set installed" in capsys.readouterr().out
