@@ -49,8 +49,9 @@ FUSE_KV_STORE_INTO_ROPE = True
 # The two prologues above run for at most this many rows even where SKINNY_MAX_ROWS is larger:
 # at 16 rows (a batch-1 verify) the prologue path doubled the H200's step (gpu_bench --ablate).
 PROLOGUE_MAX_ROWS = 2
-# The SiLU·mul prologue alone may run on more rows: unlike the norm's (a pass over each whole
-# row in every program), it only reads the gate and up halves of the tile it multiplies.
+# The SiLU·mul prologue's own row limit (it reads only its tile's gate and up halves, unlike the
+# norm's whole-row pass), measured at 16 on the H200 (gpu_bench --ablate, BENCHMARKS.md run XIV):
+# the batch-1 DFlash step 6.02 -> 8.45 ms, AR batch 8 5.15 -> 5.20; so 2, as the norm's.
 SILU_MUL_PROLOGUE_MAX_ROWS = 2
 
 
