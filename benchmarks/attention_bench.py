@@ -3,6 +3,7 @@ Triton paged attention for few query rows over short contexts. CUDA only.
 
     python benchmarks/attention_bench.py [--seq-lens 512 640 768] [--batches 1 8]
         [--query-lens 1 16] [--shape qwen3-8b|smollm2-135m] [--json F]
+        [--no-sweep] [--short-split-keys K]
 
 A batch-1 decode over 512-768 keys is 8 KV heads' worth of programs walking a few KB each:
 latency, not bandwidth, so the split count and the tile shape decide its time. For each
@@ -11,6 +12,8 @@ grid of num_splits x block_n x num_warps x num_stages, each as one CUDA graph of
 layer (36 on Qwen3-8B), each layer with its own KV cache on shuffled pages (so the keys come
 from HBM), the split-K reduction included. Every variant's output is checked against
 the default's. Prints the per-layer microseconds of the default and the best variant per case.
+`--no-sweep` times the default launch alone; `--short-split-keys` moves the rule's bound on
+the walks that take 32-key tiles (A/B of the rule at long contexts).
 """
 
 from __future__ import annotations

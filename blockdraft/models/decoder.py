@@ -46,8 +46,8 @@ FUSE_NORM_INTO_SKINNY = True
 # the store kernel's launch (one per layer). On the H200 (gpu_bench.py --ablate): the batch-1
 # DFlash N = 15 step 6.38 -> 6.27 ms, the decode step unchanged.
 FUSE_KV_STORE_INTO_ROPE = True
-# The two prologues above run for at most this many rows even where SKINNY_MAX_ROWS is larger:
-# at 16 rows (a batch-1 verify) the prologue path doubled the H200's step (gpu_bench --ablate).
+# The norm prologue runs for at most this many rows even where SKINNY_MAX_ROWS is larger: at 16
+# rows (a batch-1 verify) the two prologues together doubled the H200's step (gpu_bench --ablate).
 PROLOGUE_MAX_ROWS = 2
 # The SiLU·mul prologue's own row limit (it reads only its tile's gate and up halves, unlike the
 # norm's whole-row pass), measured at 16 on the H200 (gpu_bench --ablate, BENCHMARKS.md run XIV):
