@@ -316,11 +316,12 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
     """With FUSE_SILU_MUL_INTO_DOWN, an MLP with fused projections runs its down projection
     on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
     SILU_MUL_PROLOGUE_MAX_ROWS rows (set here to 16, past the norm prologue's 2: the 16-row
-    tensor-core path too), the unfused output (bit for bit on the row-by-row path); past that,
-    or with the flag off, nothing changes."""
+    tensor-core path too), the unfused output (bit for bit on the row-by-row path); past that
+    (the skinny GEMM, then F.linear past SKINNY_MAX_ROWS), or with the flag off, nothing
+    changes."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)
+    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 20)
     monkeypatch.setattr(decoder, "PROLOGUE_MAX_ROWS", 2)
     monkeypatch.setattr(decoder, "SILU_MUL_PROLOGUE_MAX_ROWS", 16)
     calls = []
@@ -343,7 +344,7 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
         return silu_mul(device)
 
     mlp._silu_mul = counting_silu_mul
-    for rows in [1, 2, 5, 16, 17]:
+    for rows in [1, 2, 5, 16, 18, 21]:
         x = randn(rng, rows, 24)
         with torch.no_grad():
             monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", False)
@@ -351,10 +352,12 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
             monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", fuse)
             calls.clear()
             got = mlp(x)
-        if rows > 16:  # F.linear for both projections, the activation between
+        unfused = ["linear", "activation", "linear"]
+        if rows > 20:  # F.linear for both projections, the activation between
             assert calls == ["activation"]
+        elif rows > 16:  # the skinny GEMM, past the prologue's limit
+            assert calls == unfused
         else:
-            unfused = ["linear", "activation", "linear"]
             assert calls == (["linear", "fused down"] if fuse else unfused)
         if rows <= 2:
             assert torch.equal(got, expected)
