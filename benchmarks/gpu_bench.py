@@ -208,7 +208,7 @@ def mean_step_ms(
 #  FUSE_KV_STORE_INTO_ROPE, extra); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
 # extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
 # "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
-# "pdl" / "nopdl" / "pdlshort" = BLOCKDRAFT_PDL=1 / 0 / short (none: unset, the default policy),
+# "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
 # "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -235,7 +235,6 @@ ABLATION = [
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
     ("DFlash", "PDL on every launch", 16, True, True, True, "pdl"),
-    ("DFlash", "PDL also on verify/drafter RoPE + attention", 16, True, True, True, "pdlshort"),
     ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
@@ -272,8 +271,7 @@ def ablate(
         temperature = 1.0 if extra.startswith("t1") else 0.0
         flags = extra.split()
         engine_kw = {**kw, "async_decode": "async" in flags}
-        pdl_choice = {"pdl": "1", "nopdl": "0", "pdlshort": "short"}
-        os.environ[pdl.ENV_VAR] = next((pdl_choice[f] for f in flags if f in pdl_choice), "")
+        os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
         prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
         os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default

@@ -75,22 +75,6 @@ def test_policy_decode_forwards_only(monkeypatch) -> None:
     assert not pdl.pdl_enabled(cuda)
 
 
-def test_policy_short_kernels(monkeypatch) -> None:
-    """BLOCKDRAFT_PDL=short: as the default in decode forwards (GEMMs too); in verify and
-    drafter forwards only the kernels that stream no weights; nothing outside a forward."""
-    monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: True)
-    monkeypatch.setenv(pdl.ENV_VAR, "short")
-    cuda = torch.device("cuda", 0)
-    assert not pdl.pdl_enabled(cuda) and not pdl.pdl_enabled(cuda, streams_weights=True)
-    with forward_context(_metadata(1)):
-        assert pdl.pdl_enabled(cuda) and pdl.pdl_enabled(cuda, streams_weights=True)
-    with forward_context(_metadata(16)):
-        assert pdl.pdl_enabled(cuda) and not pdl.pdl_enabled(cuda, streams_weights=True)
-        assert not pdl.pdl_enabled(torch.device("cpu"))
-        monkeypatch.delenv(pdl.ENV_VAR)  # the default: neither in a 16-row forward
-        assert not pdl.pdl_enabled(cuda) and not pdl.pdl_enabled(cuda, streams_weights=True)
-
-
 def test_prefetch_chunks() -> None:
     """Pieces per row: rows x pieces up to the program's thread count, none under 1 KB, powers
     of two."""

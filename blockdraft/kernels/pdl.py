@@ -24,8 +24,7 @@ prefetch costs more than it saves at every shape measured (8B decode 5.67 ms wit
 budget is 0 unless asked for. Hence the policy under "auto" (BLOCKDRAFT_PDL unset): PDL on
 CUDA devices of compute capability 9.0+ (when this Triton has it) for launches inside a forward
 whose every request has one query row, nowhere else. BLOCKDRAFT_PDL=1 puts it on every launch,
-=0 off, =short adds the short kernels (RoPE, attention, its reduction) of verify and drafter
-forwards, not their GEMMs (A/B runs); BLOCKDRAFT_PDL_PREFETCH_MIB sets the prefetch budget.
+=0 off; BLOCKDRAFT_PDL_PREFETCH_MIB sets the prefetch budget (A/B runs).
 """
 
 from __future__ import annotations
@@ -65,16 +64,12 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9 and _triton_has_pdl()
 
 
-def pdl_enabled(device: torch.device, streams_weights: bool = False) -> bool:
-    """Whether a kernel launched now on `device` uses PDL (the policy in the module doc).
-    `streams_weights`: the kernel is a weight-streaming GEMM (BLOCKDRAFT_PDL=short leaves those
-    out of forwards with more than one query row per request)."""
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether a kernel launched now on `device` uses PDL (the policy in the module doc)."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice in ("", "auto", "short"):
+    if choice in ("", "auto"):
         meta = current_attention_metadata()
-        decode = meta is not None and meta.max_query_len == 1
-        short_kernel = choice == "short" and meta is not None and not streams_weights
-        wanted = PDL_ON_HOPPER and (decode or short_kernel)
+        wanted = PDL_ON_HOPPER and meta is not None and meta.max_query_len == 1
     else:
         wanted = choice not in ("0", "off", "false")
     if device.type != "cuda" or not wanted:

@@ -571,7 +571,7 @@ def skinny_linear(
     target = out_rows
     if split_k > 1:
         target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    pdl = pdl_enabled(x.device, streams_weights=True)
+    pdl = pdl_enabled(x.device)
     prefetch, budget = 0, l2_prefetch_budget() if pdl else 0
     if budget:  # off by default (blockdraft.kernels.pdl): no per-launch sizing then
         elem = weight.element_size()
