@@ -359,10 +359,10 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
             assert calls == unfused
         else:
             assert calls == (["linear", "fused down"] if fuse else unfused)
-        if rows <= 2:
-            assert torch.equal(got, expected)
-        else:
+        if fuse and 2 < rows <= 16:  # the fused 16-row tensor-core path: another sum order
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:  # the same path both times, or the row-by-row prologue: bit for bit
+            assert torch.equal(got, expected)
 
 
 # --- residual add + RMSNorm fused into the skinny GEMM ------------------------------------------
