@@ -68,11 +68,8 @@ def default_model_path() -> str:
     # The file is found through the package's directory, without importing the package: its
     # __init__ is an `llm` plugin that imports `llm` and llama-cpp-python, which we never use
     # (and which a machine with only the GGUF and our own dependencies may not have).
-    path = None
-    for folder in spec.submodule_search_locations or ():
-        if os.path.isfile(os.path.join(folder, DEFAULT_MODEL_FILE)):
-            path = os.path.join(folder, DEFAULT_MODEL_FILE)
-            break
+    paths = [os.path.join(f, DEFAULT_MODEL_FILE) for f in spec.submodule_search_locations or ()]
+    path = next((p for p in paths if os.path.isfile(p)), None)
     if path is None:
         raise ValueError(
             f"package {DEFAULT_MODEL_REQUIREMENT} is installed but holds no {DEFAULT_MODEL_FILE}; "
