@@ -76,9 +76,15 @@ def host_int64(values: list, pinned: bool = False) -> torch.Tensor:  # [n] or [r
 
 def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
     """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
-    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer."""
-    flat = host_int64([v for part in parts for v in part], pinned=device.type == "cuda")
-    return list(flat.to(device, non_blocking=True).split([len(p) for p in parts]))
+    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer. Each
+    view starts 16-byte aligned (parts padded to even lengths): Triton specialises a kernel on
+    its pointers' 16-byte alignment, so a view after an odd-length part would compile another
+    variant of every kernel reading it, in the middle of serving."""
+    sizes = [len(p) for p in parts]
+    padded = [n + n % 2 for n in sizes]
+    values = [v for part in parts for v in [*part, *[0] * (len(part) % 2)]]
+    flat = host_int64(values, pinned=device.type == "cuda").to(device, non_blocking=True)
+    return [view[:n] for view, n in zip(flat.split(padded), sizes, strict=True)]
 
 
 def slots_for_positions(block_table: list[int], positions: range, block_size: int) -> list[int]:
