@@ -40,6 +40,7 @@ from blockdraft.kernels.rope import (  # noqa: E402
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform  # noqa: E402
 from blockdraft.kernels.triton_activation import triton_silu_mul  # noqa: E402
 from blockdraft.kernels.triton_attention import (  # noqa: E402
+    REDUCE_SPLITS_PER_PASS,
     SHORT_SPLIT_KEYS,
     _block_m,
     _block_n,
@@ -234,18 +235,21 @@ def test_attention_empty_batch() -> None:
 
 
 @pytest.mark.parametrize("mode", ["causal", "drafter-block", "sliding-noncausal"])
-def test_attention_split_k_forced(rng, mode: str) -> None:
-    # Five splits of 16-key tiles over contexts of 3 to 62 keys: some splits get no keys at
-    # all (short sequences, the window), which the merge must weigh as nothing.
+@pytest.mark.parametrize("num_splits", [5, 2 * REDUCE_SPLITS_PER_PASS + 3])
+def test_attention_split_k_forced(rng, mode: str, num_splits: int) -> None:
+    # 16-key tiles over contexts of 3 to 62 keys (to 590 with more splits than the merge takes
+    # in one pass): some splits, and whole passes of the merge, get no keys at all (short
+    # sequences, the window), which the merge must weigh as nothing.
+    long = num_splits > REDUCE_SPLITS_PER_PASS
     check_attention(
         rng,
-        starts=[58, 2, 30],
+        starts=[58 + 528 * long, 2, 30],
         query_lens=[4, 1, 3],
         block_size=4,
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,
-        num_splits=5,
+        num_splits=num_splits,
         block_n=16,
         **MODES[mode],
     )

@@ -266,7 +266,7 @@ def _paged_attention_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # splits merged per pass: one compile serves every split count
     PDL: tl.constexpr,
 ):
     pdl_start(PDL)
@@ -274,20 +274,31 @@ def _paged_attention_reduce_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_ok = offs_s < num_splits
     d_ok = offs_d < HEAD_DIM
-    part = (tok * num_heads + head) * num_splits + offs_s  # [BLOCK_S]
-    m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
-    m_all = tl.max(m, axis=0)
-    # Rescale every split to the common max; empty splits carry sum 0 and a zero output.
-    w = tl.exp2(m - m_all)  # [BLOCK_S]
-    total = tl.sum(tl.load(part_sum_ptr + part, mask=s_ok, other=0.0) * w, axis=0)
-    o = tl.load(
-        part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(o * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    base = (tok * num_heads + head) * num_splits
+    # Passes of BLOCK_S splits, each rescaled to the running max as the attention kernel's
+    # online softmax does; empty splits carry max -1e30, sum 0 and a zero output.
+    m_run = tl.full([], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_ok = s0 + offs_s < num_splits
+        part = base + s0 + offs_s  # [BLOCK_S]
+        m = tl.load(part_max_ptr + part, mask=s_ok, other=float("-inf"))
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        rescale = tl.exp2(m_run - m_new)  # 0 on the first pass
+        w = tl.exp2(m - m_new)  # [BLOCK_S]
+        total = total * rescale + tl.sum(
+            tl.load(part_sum_ptr + part, mask=s_ok, other=0.0) * w, axis=0
+        )
+        o = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        acc = acc * rescale + tl.sum(o * w[:, None], axis=0)
+        m_run = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(
         out_ptr + tok * stride_ot + head * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
@@ -319,6 +330,12 @@ def choose_num_splits(
 # shapes, 16 rows, 1k-16k keys, `attention_bench.py --no-sweep --short-split-keys`; BENCHMARKS.md
 # run XIII), so they keep 64.
 SHORT_SPLIT_KEYS = 256
+
+
+# Splits the reduction merges per pass. A fixed count, not the launch's split count: that one
+# grows with the context (2 to 64 splits), and each new power of two was a Triton compile in
+# the middle of serving (an eager launch, e.g. a prefix-cache hit's short prefill tail).
+REDUCE_SPLITS_PER_PASS = 16
 
 
 def _block_m(max_query_len: int, group: int) -> int:
@@ -460,7 +477,7 @@ def triton_paged_attention(
             num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_S=REDUCE_SPLITS_PER_PASS,
             PDL=pdl,
             num_warps=1 if block_d <= 64 else 2,
             **launch_options(pdl),
