@@ -522,10 +522,12 @@ def main() -> None:
     ar = LLM(str(target), **kw)
     print(
         f"target loaded in {time.perf_counter() - t0:.1f} s "
-        f"(CUDA graphs captured in {ar.engine.capture_time_s:.1f} s)",
+        f"(CUDA graphs captured in {ar.engine.capture_time_s:.1f} s, eager kernels warmed up "
+        f"in {ar.engine.warmup_time_s:.1f} s)",
         flush=True,
     )
     results["capture_time_s"] = ar.engine.capture_time_s
+    results["warmup_time_s"] = ar.engine.warmup_time_s
     results["ar_batch1_tok_s"] = decode_tok_s(
         ar, prompt, 1, args.new_tokens, log=compiles, phase="a. AR batch 1"
     )

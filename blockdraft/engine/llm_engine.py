@@ -4,6 +4,7 @@ request by one step per `step()` call."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
+from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.models.decoder import DecoderLM, fuse_projections
 from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
@@ -50,6 +52,8 @@ from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.dflash import DFlashProposer
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -162,9 +166,11 @@ class LLMEngine:
         self.draft_launcher: DraftLauncher | None = None
         if self.proposer is not None:
             self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
-        self.capture_time_s = 0.0
+        self.capture_time_s = self.warmup_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
+        if self.device.type == "cuda":  # Triton compiles now rather than mid-serving
+            self.warm_up()
         self.output_processor = OutputProcessor(self.tokenizer, eos_token_ids, self.max_model_len)
         self.eos_token_ids = eos_token_ids
         self.spec_stats = SpecDecodeStats(self.num_spec)
@@ -176,6 +182,10 @@ class LLMEngine:
         # async_decode: the decode step launched ahead and not read back yet (see async_decode).
         self._inflight: InflightDecode | None = None
         self.load_time_s = time.perf_counter() - t0
+        logger.info(
+            "engine ready in %.1f s (CUDA graphs captured in %.1f s, eager kernels warmed up "
+            "in %.1f s)", self.load_time_s, self.capture_time_s, self.warmup_time_s,
+        )
 
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         """Captures the uniform steps: decode at every batch bucket; verify (target) and
@@ -209,6 +219,16 @@ class LLMEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
+
+    def warm_up(self) -> None:
+        """Runs the eager steps whose kernel variants graph capture does not compile
+        (blockdraft/engine/warmup.py)."""
+        t0 = time.perf_counter()
+        num_drafts = self.draft_schedule.num_drafts(1) if self.draft_schedule else 0
+        warm_up_eager_steps(
+            self.runner, self.draft_launcher, num_drafts, self.max_model_len, self.lookahead
+        )
+        self.warmup_time_s = time.perf_counter() - t0
 
     def _compile_draft_inputs(self, num_drafts: int) -> None:
         """Runs the drafter-input kernel once for N = num_drafts on a dummy request, so that

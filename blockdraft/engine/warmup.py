@@ -1,0 +1,68 @@
+"""Start-up compiles of the Triton kernel variants that eager steps launch.
+
+A Triton kernel compiles on the first launch of each variant: its constexprs (tile sizes picked
+by row count and context length, split-K or not, PDL or not) and its pointers' alignment.
+Capturing the CUDA graphs compiles the variants of the uniform steps; eager steps pick theirs
+launch by launch: a prefill chunk, the short tail a prefix-cache hit leaves to compute, a
+batch mixing decodes with a prefill chunk, the drafter's context write after a prefill. The
+first launch of a variant in the middle of serving stalls its step, and every request in it,
+for the compile: 1.7-2.3 s per prefix-cache hit's tail on an H200 (the benchmarks' GSM8K
+figures of our AR mode fell 2.5x from it). So the engine runs, once at start, the eager steps
+that reach those variants: one request of each query length a launch tells apart (every
+length up to the skinny GEMM's 16 rows, then attention's larger tiles) over cached contexts on
+either side of the split-K and key-tile thresholds, sampled as a completing chunk is, and for
+a DFlash engine followed by its context write and drafts.
+
+The requests write K/V into blocks of the pool before any request owns them: nothing is
+registered in the prefix cache, and the blocks are overwritten when allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.engine.draft_launcher import DraftLauncher
+from blockdraft.engine.model_runner import ModelRunner
+from blockdraft.engine.scheduler import ScheduledChunk
+from blockdraft.engine.sequence import Sequence
+from blockdraft.sampling_params import SamplingParams
+
+# Query lengths of the warm-up requests: each row count the skinny GEMMs' M buckets and
+# attention's query tiles can tell apart (1-16), then larger prefill chunks, whose query tiles
+# (16-64 rows of (token, head) pairs) depend on the GQA group.
+QUERY_LENS = (*range(1, 17), 24, 48, 96)
+# Cached contexts: none, either side of split-K's 512 keys and 32-key tiles' 256 keys a
+# program (blockdraft.kernels.triton_attention), and the longest a request can have.
+CONTEXT_LENS = (0, 384, 768)
+
+
+def warmup_shapes(max_model_len: int) -> list[tuple[int, int]]:
+    """(query length, cached context length) of each warm-up request, contexts cut to fit."""
+    contexts = (*CONTEXT_LENS, max_model_len)
+    shapes = [(q, min(c, max_model_len - q)) for q in QUERY_LENS for c in contexts]
+    return list(dict.fromkeys(s for s in shapes if s[0] <= max_model_len))
+
+
+@torch.inference_mode()
+def warm_up_eager_steps(
+    runner: ModelRunner,
+    draft_launcher: DraftLauncher | None,
+    num_drafts: int,  # N the drafts are proposed with (0: none)
+    max_model_len: int,
+    lookahead: int,  # rows past the last token a step may write (DFlash's block)
+) -> int:
+    """Runs the warm-up requests (see the module doc), each a one-chunk step read back as the
+    engine reads its steps; returns how many ran."""
+    block_size = runner.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    shapes = warmup_shapes(max_model_len)
+    for q, ctx in shapes:
+        seq = Sequence("warmup", None, [0] * (ctx + q), params, seed=0, max_tokens=1)
+        seq.block_table = list(range(-(-(ctx + q + lookahead) // block_size)))
+        step = runner.launch([ScheduledChunk(seq, ctx, [0] * q, 0)])
+        if draft_launcher is not None:
+            draft_launcher.launch(step, num_drafts)
+        runner.finish(step)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return len(shapes)

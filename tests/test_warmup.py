@@ -1,0 +1,68 @@
+"""The start-up warm-up (blockdraft/engine/warmup.py): it runs one eager step of every shape it
+lists and leaves no trace (the KV pool, the prefix cache and later outputs are those of an
+engine that never ran it)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft import LLM, SamplingParams
+from blockdraft.engine.warmup import CONTEXT_LENS, QUERY_LENS, warmup_shapes
+
+from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.mark.parametrize("max_model_len", [20, 1000, 40960])
+def test_warmup_shapes(max_model_len: int) -> None:
+    shapes = warmup_shapes(max_model_len)
+    assert len(shapes) == len(set(shapes))
+    assert {q for q, _ in shapes} == {q for q in QUERY_LENS if q <= max_model_len}
+    for q, ctx in shapes:
+        assert 0 <= ctx and q + ctx <= max_model_len
+    for q in {q for q, _ in shapes}:
+        contexts = {c for qq, c in shapes if qq == q}
+        # No context, the longest one, and each threshold context where it fits.
+        assert {0, max_model_len - q} <= contexts
+        assert {c for c in CONTEXT_LENS if c + q <= max_model_len} <= contexts
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("warmup")
+    target = make_qwen3_checkpoint(root / "target")
+    return target, make_dflash_drafter(root / "drafter", target)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_warm_up_runs_each_shape_and_leaves_no_trace(pair, rng, speculative: bool) -> None:
+    target, drafter = pair
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = [torch.randint(4, vocab, (n,), generator=rng).tolist() for n in (3, 9, 21)]
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3,
+            "num_speculative_tokens_by_batch": None} if speculative else None  # fmt: skip
+    kw = dict(max_model_len=48, block_size=4, enable_prefix_caching=True, speculative_config=spec)
+    expected = LLM(str(target), **kw).generate(prompts, GREEDY, use_tqdm=False)
+
+    llm = LLM(str(target), **kw)
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    launched = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda chunks: launched.append(chunks) or launch(chunks)
+    engine.warm_up()
+    assert [[(len(c.token_ids), c.start) for c in chunks] for chunks in launched] == [
+        [shape] for shape in warmup_shapes(48)
+    ]
+    assert engine.warmup_time_s > 0
+    assert engine.block_manager.num_free_blocks == free
+    assert not engine.block_manager.block_key  # nothing registered in the prefix cache
+    assert not engine.has_unfinished_requests()
+
+    got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    if speculative:
+        assert [o.spec_accept_lengths for o in got] == [o.spec_accept_lengths for o in expected]
