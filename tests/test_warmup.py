@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
+from blockdraft.engine import warmup
 from blockdraft.engine.warmup import CONTEXT_LENS, QUERY_LENS, warmup_shapes
+from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
 
@@ -38,7 +40,9 @@ def pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-def test_warm_up_runs_each_shape_and_leaves_no_trace(pair, rng, speculative: bool) -> None:
+def test_warm_up_runs_each_shape_and_leaves_no_trace(
+    pair, rng, monkeypatch, speculative: bool
+) -> None:
     target, drafter = pair
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     prompts = [torch.randint(4, vocab, (n,), generator=rng).tolist() for n in (3, 9, 21)]
@@ -53,10 +57,18 @@ def test_warm_up_runs_each_shape_and_leaves_no_trace(pair, rng, speculative: boo
     launched = []
     launch = engine.runner.launch
     engine.runner.launch = lambda chunks: launched.append(chunks) or launch(chunks)
+    verified = []
+    monkeypatch.setattr(
+        warmup, "rejection_sample", lambda *a: verified.append(a) or rejection_sample(*a)
+    )
     engine.warm_up()
     assert [[(len(c.token_ids), c.start) for c in chunks] for chunks in launched] == [
         [shape] for shape in warmup_shapes(48)
     ]
+    # One request samples at a temperature (the sampler's kernels), the rest are greedy; a
+    # DFlash engine also runs one sampled verify of N = 3 drafts.
+    assert [chunks[0].seq.params.temperature > 0 for chunks in launched].count(True) == 1
+    assert [tuple(a[1].shape) for a in verified] == ([(1, 3)] if speculative else [])
     assert engine.warmup_time_s > 0
     assert engine.block_manager.num_free_blocks == free
     assert not engine.block_manager.block_key  # nothing registered in the prefix cache

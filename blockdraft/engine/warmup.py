@@ -11,7 +11,10 @@ figures of our AR mode fell 2.5x from it). So the engine runs, once at start, th
 that reach those variants: one request of each query length a launch tells apart (every
 length up to the skinny GEMM's 16 rows, then attention's larger tiles) over cached contexts on
 either side of the split-K and key-tile thresholds, sampled as a completing chunk is, and for
-a DFlash engine followed by its context write and drafts.
+a DFlash engine followed by its context write and drafts. One more request samples at a
+temperature with every filter on, and a verify's rejection sampling runs once on dummy
+logits: the sampler's kernels are launched outside the graphs too (their first compile
+stalled a first sampled request by 1.05 s).
 
 The requests write K/V into blocks of the pool before any request owns them: nothing is
 registered in the prefix cache, and the blocks are overwritten when allocated.
@@ -25,7 +28,9 @@ from blockdraft.engine.draft_launcher import DraftLauncher
 from blockdraft.engine.model_runner import ModelRunner
 from blockdraft.engine.scheduler import ScheduledChunk
 from blockdraft.engine.sequence import Sequence
+from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 # Query lengths of the warm-up requests: each row count the skinny GEMMs' M buckets and
 # attention's query tiles can tell apart (1-16), then larger prefill chunks, whose query tiles
@@ -54,15 +59,28 @@ def warm_up_eager_steps(
     """Runs the warm-up requests (see the module doc), each a one-chunk step read back as the
     engine reads its steps; returns how many ran."""
     block_size = runner.block_size
-    params = SamplingParams(temperature=0.0, max_tokens=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, max_tokens=1)
     shapes = warmup_shapes(max_model_len)
-    for q, ctx in shapes:
+    for i, (q, ctx) in enumerate(shapes):
+        params = sampled if i == 0 else greedy
         seq = Sequence("warmup", None, [0] * (ctx + q), params, seed=0, max_tokens=1)
         seq.block_table = list(range(-(-(ctx + q + lookahead) // block_size)))
         step = runner.launch([ScheduledChunk(seq, ctx, [0] * q, 0)])
         if draft_launcher is not None:
             draft_launcher.launch(step, num_drafts)
         runner.finish(step)
+    if draft_launcher is not None and num_drafts:
+        _warm_up_rejection_sampling(runner.model.cfg.vocab_size, num_drafts, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return len(shapes)
+
+
+def _warm_up_rejection_sampling(vocab: int, num_drafts: int, device: torch.device) -> None:
+    """One sampled verify of N uniform drafts on zero logits (its tokens are dropped)."""
+    st = SamplingTensors.from_lists([1.0], [20], [0.9], [0.05], [0], [1], device)
+    logits = torch.zeros(1, num_drafts + 1, vocab, device=device)  # [R, N+1, V]
+    drafts = torch.zeros(1, num_drafts, dtype=torch.int64, device=device)
+    probs = torch.full((1, num_drafts, vocab), 1.0 / vocab, device=device)
+    rejection_sample(logits, drafts, probs, st)
