@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from benchmarks.common import TritonCompileLog
 
@@ -118,3 +119,39 @@ def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsy
     monkeypatch.setattr(bench, "load_prompt_set", none_installed)
     assert gpu_bench.shipped_drafter_bench(2, 8, device="cpu", repeats=1) is None
     assert "d. skipped: no prompt set installed" in capsys.readouterr().out
+
+
+def test_step_timeline_summary_counts_busy_time_and_idle_gaps(rng) -> None:
+    from benchmarks.step_timeline import summarize
+
+    # Four steps of 100 µs: a 60 µs GEMM, a random idle gap, a 10 µs kernel overlapping the
+    # GEMM's last 5 µs (PDL), then a copy; the middle two steps are summarised.
+    gaps = (torch.rand(4, generator=rng) * 20).tolist()
+    events = []
+    for step, gap in enumerate(gaps):
+        t = step * 100.0
+        events += [
+            {"name": "_skinny_matmul_kernel", "ts": t, "dur": 60.0},
+            {"name": "_paged_attention_kernel", "ts": t + 55.0, "dur": 10.0},
+            {"name": "Memcpy DtoH", "ts": t + 65.0 + gap, "dur": 2.0},
+        ]
+    events.append({"name": "end", "ts": 400.0, "dur": 0.0})
+    summary, lines = summarize(events, 4)
+    assert summary["span_ms"] == pytest.approx(0.1)
+    assert summary["events_per_step"] == 3
+    assert summary["busy_ms"] * 2e3 == pytest.approx(2 * 67.0)
+    # Idle inside the window: the gap before each copy and the one from step 1's copy to step
+    # 2's GEMM (the overlap of the GEMM and the attention kernel is no gap).
+    idle = gaps[1] + (100 - 67 - gaps[1]) + gaps[2]
+    assert summary["gaps_ms"] * 2e3 == pytest.approx(idle)
+    assert summary["kernels"]["_skinny_matmul_kernel"] == {"per_step": 1.0, "ms": 0.06}
+    assert len(lines) == 6
+
+
+def test_compile_stalls_needs_a_gpu(monkeypatch) -> None:
+    from benchmarks import compile_stalls
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["compile_stalls.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        compile_stalls.main()
