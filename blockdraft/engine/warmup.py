@@ -55,14 +55,13 @@ def warm_up_eager_steps(
     num_drafts: int,  # N the drafts are proposed with (0: none)
     max_model_len: int,
     lookahead: int,  # rows past the last token a step may write (DFlash's block)
-) -> int:
+) -> None:
     """Runs the warm-up requests (see the module doc), each a one-chunk step read back as the
-    engine reads its steps; returns how many ran."""
+    engine reads its steps."""
     block_size = runner.block_size
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, max_tokens=1)
-    shapes = warmup_shapes(max_model_len)
-    for i, (q, ctx) in enumerate(shapes):
+    for i, (q, ctx) in enumerate(warmup_shapes(max_model_len)):
         params = sampled if i == 0 else greedy
         seq = Sequence("warmup", None, [0] * (ctx + q), params, seed=0, max_tokens=1)
         seq.block_table = list(range(-(-(ctx + q + lookahead) // block_size)))
@@ -74,7 +73,6 @@ def warm_up_eager_steps(
         _warm_up_rejection_sampling(runner.model.cfg.vocab_size, num_drafts, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-    return len(shapes)
 
 
 def _warm_up_rejection_sampling(vocab: int, num_drafts: int, device: torch.device) -> None:
