@@ -234,16 +234,18 @@ def test_attention_empty_batch() -> None:
     assert out.shape == (0, 2, 16)
 
 
-@pytest.mark.parametrize("mode", ["causal", "drafter-block", "sliding-noncausal"])
-@pytest.mark.parametrize("num_splits", [5, 2 * REDUCE_SPLITS_PER_PASS + 3])
+@pytest.mark.parametrize(
+    ("mode", "num_splits"),
+    [(m, n) for m in ("causal", "drafter-block", "sliding-noncausal") for n in (5, 37)]
+    + [("causal", 2 * REDUCE_SPLITS_PER_PASS[1] + 3)],  # several passes: ~10 s interpreted
+)
 def test_attention_split_k_forced(rng, mode: str, num_splits: int) -> None:
-    # 16-key tiles over contexts of 3 to 62 keys (to 590 with more splits than the merge takes
-    # in one pass): some splits, and whole passes of the merge, get no keys at all (short
-    # sequences, the window), which the merge must weigh as nothing.
-    long = num_splits > REDUCE_SPLITS_PER_PASS
+    # 16-key tiles over contexts of 3 to 62 keys (to ~16 keys a split with more splits: one
+    # pass of the merge's larger size, then several): some splits, and whole passes of the
+    # merge, get no keys at all (short sequences, the window), which it must weigh as nothing.
     check_attention(
         rng,
-        starts=[58 + 528 * long, 2, 30],
+        starts=[58 + 16 * max(0, num_splits - 4), 2, 30],
         query_lens=[4, 1, 3],
         block_size=4,
         num_heads=4,

@@ -332,10 +332,17 @@ def choose_num_splits(
 SHORT_SPLIT_KEYS = 256
 
 
-# Splits the reduction merges per pass. A fixed count, not the launch's split count: that one
-# grows with the context (2 to 64 splits), and each new power of two was a Triton compile in
-# the middle of serving (an eager launch, e.g. a prefix-cache hit's short prefill tail).
-REDUCE_SPLITS_PER_PASS = 16
+# Splits the reduction merges per pass: 16, or 64 past 16 splits (choose_num_splits' cap), not
+# the next power of two of the split count, which grows with the context: each new one was a
+# Triton compile in the middle of serving (an eager launch, e.g. a prefix-cache hit's short
+# tail). Two sizes, so that long contexts still merge in one pass (passes of 16 cost 0.8-1.0 us
+# a layer more at batch 1 over 4k-16k keys, 33 splits; H200, attention_bench).
+REDUCE_SPLITS_PER_PASS = (16, 64)
+
+
+def _reduce_splits_per_pass(num_splits: int) -> int:
+    small, large = REDUCE_SPLITS_PER_PASS
+    return small if num_splits <= small else large
 
 
 def _block_m(max_query_len: int, group: int) -> int:
@@ -477,7 +484,7 @@ def triton_paged_attention(
             num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_S=REDUCE_SPLITS_PER_PASS,
+            BLOCK_S=_reduce_splits_per_pass(num_splits),
             PDL=pdl,
             num_warps=1 if block_d <= 64 else 2,
             **launch_options(pdl),
