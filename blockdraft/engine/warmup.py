@@ -11,7 +11,7 @@ figures of our AR mode fell 2.5x from it). So the engine runs, once at start, th
 that reach those variants: one request of each query length a launch tells apart (every
 length up to the skinny GEMM's 16 rows, then attention's larger tiles) over cached contexts on
 either side of the split-K and key-tile thresholds, sampled as a completing chunk is, and for
-a DFlash engine followed by its context write and drafts. One more request samples at a
+a DFlash engine followed by its context write and drafts. The first request samples at a
 temperature with every filter on, and a verify's rejection sampling runs once on dummy
 logits: the sampler's kernels are launched outside the graphs too (their first compile
 stalled a first sampled request by 1.05 s).
