@@ -2,6 +2,7 @@
 seeded sampling is reproducible whatever the batch; stops, aborts and chat behave like vLLM."""
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -205,3 +206,11 @@ def test_chat_uses_the_template(llm: LLM, rng) -> None:
         llm.chat([], params)
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "w5"}], params)
+
+
+def test_engine_start_reports_its_times(target: Path, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="blockdraft"):
+        llm = LLM(str(target), max_model_len=64)
+    (line,) = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    assert f"engine ready in {llm.engine.load_time_s:.1f} s" in line
+    assert "CUDA graphs captured in" in line and "eager kernels warmed up in" in line

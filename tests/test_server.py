@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
@@ -32,6 +33,7 @@ from blockdraft import LLM, EngineConfig, SamplingParams
 from blockdraft.cli import main as cli_main
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.server import build_app
+from blockdraft.server.app import log_engine_start
 
 from checkpoints import (
     make_dflash_drafter,
@@ -654,3 +656,18 @@ def test_cli_has_serve() -> None:
     with pytest.raises(SystemExit) as e:
         cli_main(["serve", "--help"])
     assert e.value.code == 0
+
+
+def test_log_engine_start_shows_the_engine_times_on_stderr(capsys) -> None:
+    log = logging.getLogger("blockdraft")
+    handlers, level = list(log.handlers), log.level
+    log.handlers = []
+    try:
+        log_engine_start()
+        log_engine_start()  # a second call adds no second handler
+        assert len(log.handlers) == 1
+        logging.getLogger("blockdraft.engine.llm_engine").info("engine ready in 1.0 s")
+        assert "INFO:     engine ready in 1.0 s" in capsys.readouterr().err
+    finally:
+        log.handlers = handlers
+        log.setLevel(level)

@@ -466,6 +466,17 @@ def build_app(
     return app
 
 
+def log_engine_start() -> None:
+    """Shows blockdraft's INFO lines (the engine's load, CUDA-graph capture and warm-up times)
+    on stderr, in uvicorn's format, unless the application configured its own handlers."""
+    log = logging.getLogger("blockdraft")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def run_server(
     engine_kwargs: dict[str, Any],
     *,
@@ -480,6 +491,7 @@ def run_server(
 
     from blockdraft.config import EngineConfig
 
+    log_engine_start()
     engine = LLMEngine(EngineConfig(**engine_kwargs))
     app = build_app(engine, served_model_name, api_key=api_key, max_waiting=max_waiting)
     with contextlib.suppress(KeyboardInterrupt):
