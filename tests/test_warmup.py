@@ -10,7 +10,7 @@ import torch
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.engine import warmup
-from blockdraft.engine.warmup import CONTEXT_LENS, QUERY_LENS, warmup_shapes
+from blockdraft.engine.warmup import CONTEXT_LENS, DECODE_BATCHES, QUERY_LENS, warmup_shapes
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
@@ -18,15 +18,20 @@ from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.mark.parametrize("max_model_len", [20, 1000, 40960])
-def test_warmup_shapes(max_model_len: int) -> None:
-    shapes = warmup_shapes(max_model_len)
+@pytest.mark.parametrize(("max_model_len", "max_num_seqs"), [(20, 4), (1000, 256), (40960, 8)])
+def test_warmup_shapes(max_model_len: int, max_num_seqs: int) -> None:
+    shapes = warmup_shapes(max_model_len, max_num_seqs)
     assert len(shapes) == len(set(shapes))
-    assert {q for q, _ in shapes} == {q for q in QUERY_LENS if q <= max_model_len}
-    for q, ctx in shapes:
+    singles = [(q, ctx) for n, q, ctx in shapes if n == 1]
+    assert {q for q, _ in singles} == {q for q in QUERY_LENS if q <= max_model_len}
+    # One-row decodes batched up to max_num_seqs.
+    assert {(n, q) for n, q, _ in shapes if n > 1} == {
+        (b, 1) for b in DECODE_BATCHES if b <= max_num_seqs
+    }
+    for _, q, ctx in shapes:
         assert 0 <= ctx and q + ctx <= max_model_len
-    for q in {q for q, _ in shapes}:
-        contexts = {c for qq, c in shapes if qq == q}
+    for n, q in {(n, q) for n, q, _ in shapes}:
+        contexts = {c for nn, qq, c in shapes if (nn, qq) == (n, q)}
         # No context, the longest one, and each threshold context where it fits.
         assert {0, max_model_len - q} <= contexts
         assert {c for c in CONTEXT_LENS if c + q <= max_model_len} <= contexts
@@ -63,7 +68,7 @@ def test_warm_up_runs_each_shape_and_leaves_no_trace(
     )
     engine.warm_up()
     assert [[(len(c.token_ids), c.start) for c in chunks] for chunks in launched] == [
-        [shape] for shape in warmup_shapes(48)
+        [(q, ctx)] * n for n, q, ctx in warmup_shapes(48, engine.config.max_num_seqs)
     ]
     # One request samples at a temperature (the sampler's kernels), the rest are greedy; a
     # DFlash engine also runs one sampled verify of N = 3 drafts.

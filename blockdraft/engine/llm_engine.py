@@ -226,8 +226,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         num_drafts = self.draft_schedule.num_drafts(1) if self.draft_schedule else 0
         warm_up_eager_steps(
-            self.runner, self.draft_launcher, num_drafts, self.max_model_len, self.lookahead
-        )
+            self.runner, self.draft_launcher, num_drafts, self.max_model_len,
+            self.config.max_num_seqs, self.lookahead,
+        )  # fmt: skip
         self.warmup_time_s = time.perf_counter() - t0
 
     def _compile_draft_inputs(self, num_drafts: int) -> None:

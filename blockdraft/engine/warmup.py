@@ -10,11 +10,11 @@ for the compile: 1.7-2.3 s per prefix-cache hit's tail on an H200 (the benchmark
 figures of our AR mode fell 2.5x from it). So the engine runs, once at start, the eager steps
 that reach those variants: one request of each query length a launch tells apart (every
 length up to the skinny GEMM's 16 rows, then attention's larger tiles) over cached contexts on
-either side of the split-K and key-tile thresholds, sampled as a completing chunk is, and for
-a DFlash engine followed by its context write and drafts. The first request samples at a
-temperature with every filter on, and a verify's rejection sampling runs once on dummy
-logits: the sampler's kernels are launched outside the graphs too (their first compile
-stalled a first sampled request by 1.05 s).
+either side of the split-K and key-tile thresholds, and batches of one-row decodes; each is
+sampled as a completing chunk is, and on a DFlash engine followed by its context write and
+drafts. The first request samples at a temperature with every filter on, and a verify's
+rejection sampling runs once on dummy logits: the sampler's kernels are launched outside the
+graphs too (their first compile stalled a first sampled request by 1.05 s).
 
 The requests write K/V into blocks of the pool before any request owns them: nothing is
 registered in the prefix cache, and the blocks are overwritten when allocated.
@@ -39,13 +39,20 @@ QUERY_LENS = (*range(1, 17), 24, 48, 96)
 # Cached contexts: none, either side of split-K's 512 keys and 32-key tiles' 256 keys a
 # program (blockdraft.kernels.triton_attention), and the longest a request can have.
 CONTEXT_LENS = (0, 384, 768)
+# Batches of one-row decodes: the skinny GEMM's M buckets past one row (2, 3-4, 5-8, 9-16),
+# launched with PDL by an eager decode (enforce_eager, or a batch no graph was captured for).
+DECODE_BATCHES = (2, 3, 5, 9)
 
 
-def warmup_shapes(max_model_len: int) -> list[tuple[int, int]]:
-    """(query length, cached context length) of each warm-up request, contexts cut to fit."""
+def warmup_shapes(max_model_len: int, max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """(requests, query length, cached context length) of each warm-up step, contexts cut to
+    fit."""
     contexts = (*CONTEXT_LENS, max_model_len)
-    shapes = [(q, min(c, max_model_len - q)) for q in QUERY_LENS for c in contexts]
-    return list(dict.fromkeys(s for s in shapes if s[0] <= max_model_len))
+    shapes = [(1, q, min(c, max_model_len - q)) for q in QUERY_LENS for c in contexts]
+    shapes += [(b, 1, min(c, max_model_len - 1)) for b in DECODE_BATCHES for c in contexts]
+    return list(
+        dict.fromkeys(s for s in shapes if s[0] <= max_num_seqs and s[1] <= max_model_len)
+    )
 
 
 @torch.inference_mode()
@@ -54,18 +61,22 @@ def warm_up_eager_steps(
     draft_launcher: DraftLauncher | None,
     num_drafts: int,  # N the drafts are proposed with (0: none)
     max_model_len: int,
+    max_num_seqs: int,
     lookahead: int,  # rows past the last token a step may write (DFlash's block)
 ) -> None:
-    """Runs the warm-up requests (see the module doc), each a one-chunk step read back as the
-    engine reads its steps."""
-    block_size = runner.block_size
+    """Runs the warm-up steps (see the module doc), each read back as the engine reads its
+    steps. The requests of a step share their blocks: the K/V they write is never read."""
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, max_tokens=1)
-    for i, (q, ctx) in enumerate(warmup_shapes(max_model_len)):
+    for i, (num_seqs, q, ctx) in enumerate(warmup_shapes(max_model_len, max_num_seqs)):
         params = sampled if i == 0 else greedy
-        seq = Sequence("warmup", None, [0] * (ctx + q), params, seed=0, max_tokens=1)
-        seq.block_table = list(range(-(-(ctx + q + lookahead) // block_size)))
-        step = runner.launch([ScheduledChunk(seq, ctx, [0] * q, 0)])
+        table = list(range(-(-(ctx + q + lookahead) // runner.block_size)))
+        chunks = []
+        for _ in range(num_seqs):
+            seq = Sequence("warmup", None, [0] * (ctx + q), params, seed=0, max_tokens=1)
+            seq.block_table = table
+            chunks.append(ScheduledChunk(seq, ctx, [0] * q, 0))
+        step = runner.launch(chunks)
         if draft_launcher is not None:
             draft_launcher.launch(step, num_drafts)
         runner.finish(step)
