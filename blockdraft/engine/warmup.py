@@ -25,10 +25,9 @@ from __future__ import annotations
 import torch
 
 from blockdraft.engine.draft_launcher import DraftLauncher
-from blockdraft.engine.model_runner import ModelRunner
+from blockdraft.engine.model_runner import ModelRunner, sampling_tensors
 from blockdraft.engine.scheduler import ScheduledChunk
 from blockdraft.engine.sequence import Sequence
-from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
@@ -81,14 +80,18 @@ def warm_up_eager_steps(
             draft_launcher.launch(step, num_drafts)
         runner.finish(step)
     if draft_launcher is not None and num_drafts:
-        _warm_up_rejection_sampling(runner.model.cfg.vocab_size, num_drafts, runner.device)
+        probe = Sequence("warmup", None, [0], sampled, seed=0, max_tokens=1)
+        _warm_up_rejection_sampling(probe, runner.model.cfg.vocab_size, num_drafts, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 
 
-def _warm_up_rejection_sampling(vocab: int, num_drafts: int, device: torch.device) -> None:
-    """One sampled verify of N uniform drafts on zero logits (its tokens are dropped)."""
-    st = SamplingTensors.from_lists([1.0], [20], [0.9], [0.05], [0], [1], device)
+def _warm_up_rejection_sampling(
+    seq: Sequence, vocab: int, num_drafts: int, device: torch.device
+) -> None:
+    """One verify of N uniform drafts on zero logits, sampled with `seq`'s parameters (its
+    tokens are dropped)."""
+    st = sampling_tensors([seq], [1], device)
     logits = torch.zeros(1, num_drafts + 1, vocab, device=device)  # [R, N+1, V]
     drafts = torch.zeros(1, num_drafts, dtype=torch.int64, device=device)
     probs = torch.full((1, num_drafts, vocab), 1.0 / vocab, device=device)
