@@ -209,7 +209,9 @@ def mean_step_ms(
 # extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
 # "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
 # "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
-# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "silu16" = the SiLU·mul prologue
+# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "trigger-off" / "-start" / "-end" =
+# a PDL-launched skinny GEMM lets its successor launch on exit / at its programs' start / after
+# their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
@@ -234,7 +236,15 @@ ABLATION = [
     ("AR", "PDL off", 16, True, True, True, "async nopdl"),
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
-    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl"),
+    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
+    ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
+    ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
+    ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
+     "async trigger-start prefetch8"),
+    ("DFlash", "PDL on every launch, GEMMs trigger at start", 16, True, True, True,
+     "pdl trigger-start"),
+    ("DFlash", "PDL on every launch, GEMMs trigger after loads", 16, True, True, True,
+     "pdl trigger-end"),
     ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
@@ -260,7 +270,7 @@ def ablate(
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
-    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR)
+    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
@@ -274,6 +284,8 @@ def ablate(
         os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
         prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
         os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
+        trigger = [f.removeprefix("trigger-") for f in flags if f.startswith("trigger-")]
+        os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)

@@ -75,6 +75,19 @@ def test_policy_decode_forwards_only(monkeypatch) -> None:
     assert not pdl.pdl_enabled(cuda)
 
 
+def test_gemm_trigger_from_environment(monkeypatch) -> None:
+    """The skinny GEMM lets its successor launch on exit unless BLOCKDRAFT_PDL_GEMM_TRIGGER
+    says start or end; bad values are named."""
+    monkeypatch.delenv(pdl.TRIGGER_ENV_VAR, raising=False)
+    assert pdl.gemm_trigger() == pdl.GEMM_TRIGGER
+    for value, expected in (("start", 1), ("END", 2), ("off", 0), ("0", 0)):
+        monkeypatch.setenv(pdl.TRIGGER_ENV_VAR, value)
+        assert pdl.gemm_trigger() == expected
+    monkeypatch.setenv(pdl.TRIGGER_ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match=pdl.TRIGGER_ENV_VAR):
+        pdl.gemm_trigger()
+
+
 def test_prefetch_chunks() -> None:
     """Pieces per row: rows x pieces up to the program's thread count, none under 1 KB, powers
     of two."""
@@ -103,6 +116,8 @@ from triton.compiler import ASTSource
 from blockdraft.kernels.triton_attention import (
     _paged_attention_kernel, _paged_attention_reduce_kernel)
 from blockdraft.kernels.triton_linear import _skinny_matmul_kernel
+from blockdraft.kernels.triton_activation import _silu_mul_kernel
+from blockdraft.kernels.triton_rmsnorm import _rms_norm_kernel
 from blockdraft.kernels.triton_rope import _qk_norm_rope_kernel
 
 F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr")
@@ -131,7 +146,8 @@ def count(kernel, const, out_f32=False, **options):
             "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"])}
 
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
-              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4)
+              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4,
+              TRIGGER=0)
 variants = {
     "skinny dot": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True), {}),
     "skinny dot split-k": (_skinny_matmul_kernel,
@@ -139,6 +155,10 @@ variants = {
     "skinny 1 row + norm": (_skinny_matmul_kernel,
                             dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=True,
                                  HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),
+    "skinny trigger at start": (_skinny_matmul_kernel,
+                                dict(skinny, BLOCK_M=16, USE_DOT=True, TRIGGER=1), {}),
+    "skinny 1 row trigger after loads": (_skinny_matmul_kernel,
+                                         dict(skinny, BLOCK_M=1, USE_DOT=False, TRIGGER=2), {}),
     "attention split": (_paged_attention_kernel,
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
                              CAUSAL=True, USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32"),
@@ -148,6 +168,8 @@ variants = {
     "rope + kv store": (_qk_norm_rope_kernel,
                         dict(BLOCK_H=8, BLOCK_D=64, HAS_Q_NORM=True, HAS_K_NORM=True,
                              STORE_KV=True), {}),
+    "rms norm + residual": (_rms_norm_kernel, dict(BLOCK=4096, HAS_RESIDUAL=True), {}),
+    "silu mul": (_silu_mul_kernel, dict(BLOCK=1024), {}),
 }
 out = {}
 for name, (kernel, const, kw) in variants.items():
@@ -170,7 +192,9 @@ def test_pdl_kernels_compile_for_hopper() -> None:
         if name.endswith("pdl=False"):
             assert c["wait"] == c["launch"] == c["prefetch"] == 0, (name, c)
         elif name.startswith("skinny"):
-            # Prefetch the weights, then wait; a GEMM lets its successor launch only on exit.
-            assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == 0, (name, c)
+            # Prefetch the weights, then wait; a GEMM lets its successor launch on exit, or
+            # where TRIGGER says.
+            launches = 1 if "trigger" in name else 0
+            assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == launches, (name, c)
         else:  # short kernels: let the next kernel launch, then wait
             assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 0, (name, c)

@@ -7,9 +7,11 @@ HBM also idles while they run. With PDL a kernel may start before its predecesso
 finished: it must call `gdc_wait` before touching anything an earlier kernel writes, but what
 it does before that (its launch, its ramp) overlaps the predecessor. The skinny GEMM can use
 this window to prefetch its weight slice into L2 (weights are never written by the step; off
-by default, see below). The short kernels that precede a GEMM (RoPE + KV store, attention and
-its reduction) call `gdc_launch_dependents` at their start, which lets their successor launch
-at once; each of them is PDL-launched too and waits before its loads.
+by default, see below). The short kernels (RoPE + KV store, attention and its reduction, the
+norm and SiLU·mul kernels) call `gdc_launch_dependents` at their start, which lets their
+successor launch at once; each of them is PDL-launched too and waits before its loads. A GEMM
+lets its successor launch once each of its programs has read its last weight chunk
+(GEMM_TRIGGER), so the next kernel's launch overlaps the GEMM's stores and tail.
 
 `griddepcontrol.wait` returns at once when a kernel was launched without PDL, so the kernels
 stay correct in any order of launches, PDL or not (the CPU interpreter never sees the calls:
@@ -40,12 +42,23 @@ from blockdraft.kernels.forward_context import current_attention_metadata
 
 ENV_VAR = "BLOCKDRAFT_PDL"
 PREFETCH_ENV_VAR = "BLOCKDRAFT_PDL_PREFETCH_MIB"
+TRIGGER_ENV_VAR = "BLOCKDRAFT_PDL_GEMM_TRIGGER"
 # Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in decode forwards.
 PDL_ON_HOPPER = True
 # L2 bytes the first wave of a skinny GEMM may prefetch (BLOCKDRAFT_PDL_PREFETCH_MIB): off, as
 # measured; a budget should stay inside the H100/H200's 50 MB, so that prefetched lines are
 # still there when the main loop reads them.
 L2_PREFETCH_BUDGET = 0
+# Where a PDL-launched skinny GEMM lets its successor launch (`gemm_trigger`): 0 never (the
+# successor launches as the GEMM's last program exits), 1 at each program's start, 2 once a
+# program has read its last W chunk (BLOCKDRAFT_PDL_GEMM_TRIGGER = off / start / end).
+# Measured on an H200 (gpu_bench --ablate, Qwen3-8B shapes, batch-1 decode step, two runs):
+# 4.34 / 4.35 ms on exit, 4.30 / 4.28 after the loads, 4.44 at the start (early successors'
+# waiting programs take SM slots). In 16-row forwards with PDL on every launch neither paid
+# (DFlash step 6.02 / 6.03 ms without PDL there; 6.03 / 6.86 at the start, 6.26 / 6.12 after
+# the loads), so the policy keeps PDL to decode forwards.
+GEMM_TRIGGER = 2
+_TRIGGER_CHOICES = {"off": 0, "0": 0, "start": 1, "end": 2}
 
 
 @functools.cache
@@ -90,6 +103,17 @@ def l2_prefetch_budget() -> int:
     if not mib >= 0:  # also rejects nan
         raise ValueError(f"{PREFETCH_ENV_VAR} must be a number of MiB >= 0, got {value!r}")
     return int(mib * 1024**2)
+
+
+def gemm_trigger() -> int:
+    """Where a PDL-launched skinny GEMM calls `gdc_launch_dependents`: GEMM_TRIGGER unless
+    BLOCKDRAFT_PDL_GEMM_TRIGGER says otherwise (0 never, 1 at the start, 2 after the loads)."""
+    value = os.environ.get(TRIGGER_ENV_VAR, "").strip().lower()
+    if not value:
+        return GEMM_TRIGGER
+    if value not in _TRIGGER_CHOICES:
+        raise ValueError(f"{TRIGGER_ENV_VAR} must be one of off, start, end; got {value!r}")
+    return _TRIGGER_CHOICES[value]
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from blockdraft.kernels.rope import silu_mul_torch
 
 __all__ = ["silu_mul_torch", "triton_silu_mul"]
@@ -26,7 +27,9 @@ def _silu_mul_kernel(
     stride_o,
     cols,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < cols
@@ -59,6 +62,7 @@ def triton_silu_mul(
     if num_rows == 0 or cols == 0:
         return out
     block = min(1024, triton.next_power_of_2(cols))
+    pdl = pdl_enabled(gate.device)
     _silu_mul_kernel[(num_rows, triton.cdiv(cols, block))](
         g_rows,
         u_rows,
@@ -68,6 +72,8 @@ def triton_silu_mul(
         out_rows.stride(0),
         cols,
         BLOCK=block,
+        PDL=pdl,
         num_warps=max(1, min(4, block // 256)),
+        **launch_options(pdl),
     )
     return out

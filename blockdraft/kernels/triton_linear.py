@@ -52,6 +52,7 @@ import triton.language as tl
 
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.pdl import (
+    gemm_trigger,
     l2_prefetch_budget,
     launch_options,
     num_sms,
@@ -223,6 +224,7 @@ def _skinny_matmul_kernel(
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
     PREFETCH_CHUNKS: tl.constexpr,  # with PDL: pieces per W row of the L2 prefetch
+    TRIGGER: tl.constexpr,  # with PDL: successor launches at 1 the start, 2 the last W chunk
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -238,6 +240,8 @@ def _skinny_matmul_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
     # Program 0 along N, split 0, stores the residual stream of its rows: one writer each.
     writer = (pid_n == 0) & (pid_k == 0)
+    if PDL and TRIGGER == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     if PDL:
         # W is never written by the step: stream it towards L2 while the previous kernel
         # finishes, then wait for that kernel before the first read of x.
@@ -281,6 +285,8 @@ def _skinny_matmul_kernel(
             x_ptrs += BLOCK_K
             res_ptrs += BLOCK_K
             nw_ptrs += BLOCK_K
+        if PDL and TRIGGER == 2:
+            tl.extra.cuda.gdc_launch_dependents()
         _store_rows(
             acc, out_ptr, bias_ptr, offs_n, rows_n, offs_m, N, M, stride_om, split_offset,
             SPLIT_K, HAS_BIAS,
@@ -346,6 +352,8 @@ def _skinny_matmul_kernel(
                     nw_ptr, rstd3, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
                 )  # fmt: skip
             w_ptrs += BLOCK_K
+        if PDL and TRIGGER == 2:
+            tl.extra.cuda.gdc_launch_dependents()
         one = tl.arange(0, 1)
         _store_rows(
             tl.sum(acc0, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + one, N, M,
@@ -618,6 +626,7 @@ def skinny_linear(
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
         PREFETCH_CHUNKS=prefetch_chunks(cfg.block_n, cfg.num_warps, prefetch) if prefetch else 1,
+        TRIGGER=gemm_trigger() if pdl else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(pdl),

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 
 __all__ = ["rms_norm_torch", "triton_rms_norm"]
@@ -35,7 +36,9 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < hidden
@@ -84,6 +87,7 @@ def triton_rms_norm(
     num_rows = rows.shape[0]
     if num_rows:
         block = triton.next_power_of_2(hidden)
+        pdl = pdl_enabled(x.device)
         _rms_norm_kernel[(num_rows,)](
             rows,
             res_rows,
@@ -98,6 +102,8 @@ def triton_rms_norm(
             eps,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
+            **launch_options(pdl),
         )
     return out if residual is None else (out, residual_out)
