@@ -211,7 +211,9 @@ def mean_step_ms(
 # "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
 # "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "trigger-off" / "-start" / "-end" =
 # a PDL-launched skinny GEMM lets its successor launch on exit / at its programs' start / after
-# their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "silu16" = the SiLU·mul prologue
+# their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "nomerge" = split-K
+# decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
+# "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
@@ -237,6 +239,8 @@ ABLATION = [
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
     ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
+    ("AR", "split-K decode attention merged by a second kernel", 16, True, True, True,
+     "async nomerge"),
     ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
     ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
@@ -264,7 +268,7 @@ def ablate(
     DFlash at N = 15, one engine at a time (random weights made again for each, so the greedy
     tokens compare only in shape). `only`: keep the rows whose "engine variant" contains one of
     these."""
-    from blockdraft.kernels import pdl, select
+    from blockdraft.kernels import pdl, select, triton_attention
     from blockdraft.models import decoder
 
     rows = []
@@ -287,6 +291,7 @@ def ablate(
         trigger = [f.removeprefix("trigger-") for f in flags if f.startswith("trigger-")]
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
+        triton_attention.FUSE_DECODE_SPLIT_MERGE = "nomerge" not in flags
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -303,6 +308,7 @@ def ablate(
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
+    triton_attention.FUSE_DECODE_SPLIT_MERGE = True
     for name, value in env_default.items():
         if value is None:
             os.environ.pop(name)

@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 pytest.importorskip("triton")
 
 from blockdraft import LLM, SamplingParams  # noqa: E402
-from blockdraft.kernels import select  # noqa: E402
+from blockdraft.kernels import select, triton_attention  # noqa: E402
 from blockdraft.kernels.dflash_inputs import (  # noqa: E402
     DFlashInputs,
     prepare_dflash_inputs_torch,
@@ -255,6 +255,46 @@ def test_attention_split_k_forced(rng, mode: str, num_splits: int) -> None:
         block_n=16,
         **MODES[mode],
     )
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "num_splits"),
+    [(4, 2, 16, 5), (6, 2, 24, 16), (8, 2, 16, 3)],  # GQA 2, 3 (padded to 4) and 4
+)
+def test_attention_decode_merges_its_splits(
+    rng, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int
+) -> None:
+    """Decode rows with a counter buffer: the attention kernel's last split merges (no reduce
+    kernel), matching the twin, twice on the same counters (left zeroed after each launch);
+    short contexts leave trailing splits empty. Too few counters, or more splits than one
+    merge tile holds, fall back to the reduce kernel with the same result."""
+    counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    shape = dict(block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, causal=True, window=None, block_n=16)  # fmt: skip
+    reduce_kernel = triton_attention._paged_attention_reduce_kernel
+    triton_attention._paged_attention_reduce_kernel = None  # a launch of it would fail
+    try:
+        for starts in ([57, 3, 20], [int(torch.randint(30, 70, (1,), generator=rng)), 0, 9]):
+            check_attention(rng, starts=starts, query_lens=[1, 1, 1], num_splits=num_splits,
+                            split_counters=counters, **shape)  # fmt: skip
+            assert not counters.any()
+    finally:
+        triton_attention._paged_attention_reduce_kernel = reduce_kernel
+    few = torch.zeros(2 * num_kv_heads, dtype=torch.int32, device=DEVICE)
+    check_attention(rng, starts=[40, 5, 33], query_lens=[1, 1, 1], num_splits=num_splits,
+                    split_counters=few, **shape)  # fmt: skip
+    check_attention(rng, starts=[40, 5, 33], query_lens=[1, 1, 1], num_splits=17,
+                    split_counters=counters, **shape)  # fmt: skip
+    assert not few.any() and not counters.any()
+
+
+def test_attention_decode_merge_only_for_decode_rows(rng) -> None:
+    """Verify blocks (several query rows) keep the reduce kernel: the counters stay zero."""
+    counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    check_attention(rng, starts=[50, 21], query_lens=[3, 3], block_size=4, num_heads=4,
+                    num_kv_heads=2, head_dim=16, causal=True, window=None, num_splits=4,
+                    block_n=16, split_counters=counters)  # fmt: skip
+    assert not counters.any()
 
 
 def test_attention_split_k_chosen_for_long_decode(rng) -> None:

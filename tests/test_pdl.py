@@ -121,7 +121,7 @@ from blockdraft.kernels.triton_rmsnorm import _rms_norm_kernel
 from blockdraft.kernels.triton_rope import _qk_norm_rope_kernel
 
 F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr")
-I32 = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr")
+I32 = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "counters_ptr")
 I64 = ("positions_ptr", "slot_mapping_ptr")
 
 def signature(kernel, const, out_f32):
@@ -143,7 +143,8 @@ def count(kernel, const, out_f32=False, **options):
     ptx = c.asm["ptx"]
     return {"wait": ptx.count("griddepcontrol.wait"),
             "launch": ptx.count("griddepcontrol.launch_dependents"),
-            "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"])}
+            "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"]),
+            "atomics": ptx.count("atom."), "local": ptx.count("st.local")}
 
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
               RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4,
@@ -161,8 +162,15 @@ variants = {
                                          dict(skinny, BLOCK_M=1, USE_DOT=False, TRIGGER=2), {}),
     "attention split": (_paged_attention_kernel,
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
-                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, INPUT_PRECISION="tf32"),
+                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, MERGE=False,
+                             MERGE_SPLITS=1, INPUT_PRECISION="tf32"),
                         {}),
+    "attention split, decode merge": (
+        _paged_attention_kernel,
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
+             USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16,
+             INPUT_PRECISION="tf32"),
+        {"num_warps": 2}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),
     "rope + kv store": (_qk_norm_rope_kernel,

@@ -27,6 +27,10 @@ from blockdraft.layers.sampler import SamplingTensors, sample
 from blockdraft.models.decoder import DecoderLM
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
+# Split-K counters per attention layer (PagedAttention.split_counters): split-K only runs where
+# num_seqs * num_kv_heads programs leave SMs idle, so this covers any GPU's SM count.
+SPLIT_COUNTERS = 1024
+
 
 @dataclass
 class StepOutput:
@@ -85,6 +89,7 @@ def allocate_kv_cache(
         shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
         attn.key_cache = torch.zeros(shape, dtype=dtype, device=device)
         attn.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 def kv_bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:

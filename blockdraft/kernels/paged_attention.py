@@ -87,6 +87,8 @@ def paged_attention(
     scale: float,
     causal: bool = True,
     window: int | None = None,
+    *,
+    split_counters: torch.Tensor | None = None,  # the Triton kernel's workspace; unused here
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, max_q = meta.num_seqs, meta.max_query_len

@@ -110,7 +110,8 @@ def use_triton(device: torch.device | str | None = None) -> bool:
 
 
 def get_attention_backend(device: torch.device | str | None = None) -> AttentionFn:
-    """`fn(query, key_cache, value_cache, meta, scale, causal, window) -> out`."""
+    """`fn(query, key_cache, value_cache, meta, scale, causal, window, *, split_counters)
+    -> out`."""
     if use_triton(device):
         from blockdraft.kernels import triton_attention
 

@@ -9,7 +9,10 @@ whole group. Keys are streamed through the block table with an online softmax.
 
 Long contexts with few query rows leave most of the GPU idle (num_seqs x num_kv_heads
 programs); split-K then cuts each sequence's key range into `num_splits` pieces whose partial
-(unnormalised output, running max, running sum of exponentials) are merged by a second kernel.
+(unnormalised output, running max, running sum of exponentials) are merged by a second kernel,
+or, for decode rows (one query row per sequence, at most DECODE_MERGE_MAX_SPLITS splits), by
+the attention kernel itself: each program counts itself done on a per-(sequence, kv head)
+counter and the last one merges the group's partials (no second launch on the decode path).
 
 Only meta's python ints (max_query_len, max_seq_len) and tensor shapes steer the launch, so
 the call never waits on the device and can be captured in a CUDA graph.
@@ -103,6 +106,52 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _merge_decode_group(
+    part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] f32
+    part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)
+    part_sum_ptr,  # [num_tokens, num_heads, num_splits] f32
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    row,  # int64 flat token index of the sequence's one query row
+    kv_head,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= num_splits: one pass
+):
+    """The reduce kernel's merge for the GQA group's heads of one decode row, all splits at
+    once: [group, splits, head_dim] partials, loaded past L1 (other SMs wrote them)."""
+    BLOCK_G: tl.constexpr = triton.next_power_of_2(GROUP)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    head = kv_head * GROUP + offs_g  # [G]
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    ok = g_ok[:, None] & (offs_s < num_splits)[None, :]  # [G, S]
+    part = (row * num_heads + head)[:, None] * num_splits + offs_s[None, :]  # [G, S]
+    # Masked entries weigh nothing: max -1e30 (as an empty split reports), sum 0, output 0.
+    m = tl.load(part_max_ptr + part, mask=ok, other=-1.0e30, cache_modifier=".cg")
+    w = tl.exp2(m - tl.max(m, axis=1)[:, None])  # [G, S]
+    total = tl.sum(tl.load(part_sum_ptr + part, mask=ok, other=0.0, cache_modifier=".cg") * w, 1)
+    o = tl.load(
+        part_out_ptr + part[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+        mask=ok[:, :, None] & d_ok[None, None, :],
+        other=0.0,
+        cache_modifier=".cg",
+    )  # [G, S, D]
+    out = tl.sum(o * w[:, :, None], axis=1) / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(
+        out_ptr + row * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=g_ok[:, None] & d_ok[None, :],
+    )
+
+
 # Runtime sizes are not specialised (Triton compiles values of 1 and multiples of 16 apart):
 # an eager call whose block-table width or split count crosses one must not compile mid-serving.
 @triton.jit(do_not_specialize=["stride_bt", "tiles_per_seq", "num_splits"])
@@ -114,6 +163,7 @@ def _paged_attention_kernel(
     part_out_ptr,  # [num_tokens, num_heads, num_splits, head_dim] f32; written when SPLIT
     part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)
     part_sum_ptr,  # [num_tokens, num_heads, num_splits] f32
+    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zero between launches; with MERGE
     query_start_loc_ptr,  # [num_seqs + 1] int
     seq_lens_ptr,  # [num_seqs] int
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
@@ -142,6 +192,8 @@ def _paged_attention_kernel(
     CAUSAL: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    MERGE: tl.constexpr,  # with SPLIT, one query row a sequence: the last split merges
+    MERGE_SPLITS: tl.constexpr,  # with MERGE: DECODE_MERGE_MAX_SPLITS (one compile for all)
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
@@ -244,6 +296,18 @@ def _paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=store_ok)
         tl.store(part_max_ptr + part, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        if MERGE:
+            # Every thread's partial stores come before the count (the barrier), which
+            # releases them to the GPU; the program that counts last acquires all of them.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(counter, 0)  # ready for the next launch
+                _merge_decode_group(
+                    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, q_start, kv_head,
+                    num_heads, num_splits, stride_ot, stride_oh, HEAD_DIM, BLOCK_D, GROUP,
+                    MERGE_SPLITS,
+                )  # fmt: skip
     else:
         # l_i == 0 only for a row that sees no key (never for a valid causal row).
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -339,6 +403,15 @@ SHORT_SPLIT_KEYS = 256
 # a layer more at batch 1 over 4k-16k keys, 33 splits; H200, attention_bench).
 REDUCE_SPLITS_PER_PASS = (16, 64)
 
+# Decode launches (one query row a sequence) with a split counter buffer merge their splits in
+# the attention kernel's last program, up to this many splits (all in one [group, splits,
+# head_dim] tile, at most DECODE_MERGE_MAX_TILE elements: a GQA group of 4 at head_dim 128 on
+# the kernel's 2 warps); more go to the reduce kernel. FUSE_DECODE_SPLIT_MERGE = False: always
+# the reduce kernel (A/B runs).
+DECODE_MERGE_MAX_SPLITS = 16
+DECODE_MERGE_MAX_TILE = 8192
+FUSE_DECODE_SPLIT_MERGE = True
+
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
     small, large = REDUCE_SPLITS_PER_PASS
@@ -382,7 +455,11 @@ def triton_paged_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    split_counters: torch.Tensor | None = None,  # [n] int32 zeros, kept between launches
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Paged attention (the `paged_attention` contract). `split_counters` lets a split decode
+    launch merge its splits itself (see the module doc): an int32 buffer of at least
+    num_seqs * num_kv_heads zeros that only this function touches and leaves zeroed."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -424,8 +501,18 @@ def triton_paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # unused by the unsplit kernel
-
     block_d = max(16, triton.next_power_of_2(head_dim))
+    merge = (
+        split
+        and FUSE_DECODE_SPLIT_MERGE
+        and meta.max_query_len == 1
+        and num_splits <= DECODE_MERGE_MAX_SPLITS
+        and triton.next_power_of_2(group) * DECODE_MERGE_MAX_SPLITS * block_d
+        <= DECODE_MERGE_MAX_TILE
+        and split_counters is not None
+        and split_counters.dtype == torch.int32
+        and split_counters.numel() >= num_seqs * num_kv_heads
+    )
     # fp32 inputs mean a test or a debugging run asking for exact maths, not TF32.
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
@@ -438,6 +525,7 @@ def triton_paged_attention(
         part_out,
         part_max,
         part_sum,
+        split_counters if merge else meta.seq_lens,  # unused without MERGE
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
@@ -466,13 +554,15 @@ def triton_paged_attention(
         CAUSAL=causal,
         USE_WINDOW=window is not None,
         SPLIT=split,
+        MERGE=merge,
+        MERGE_SPLITS=DECODE_MERGE_MAX_SPLITS if merge else 1,
         INPUT_PRECISION=precision,
         PDL=pdl,
         num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
     )
-    if split:
+    if split and not merge:
         _paged_attention_reduce_kernel[(num_tokens, num_heads)](
             part_out,
             part_max,

@@ -26,6 +26,9 @@ class PagedAttention(nn.Module):
         # Bound by the runner once the KV pool is allocated.
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D]
         self.value_cache: torch.Tensor | None = None
+        # Zeroed int32 counters that let a split decode launch merge its splits in the
+        # attention kernel (triton_paged_attention's split_counters); bound with the cache.
+        self.split_counters: torch.Tensor | None = None
         # Triton on CUDA, the torch twin elsewhere; resolved once per device.
         self._store_kv = PerDevice(get_store_kv_backend)
         self._attention = PerDevice(get_attention_backend)
@@ -50,5 +53,6 @@ class PagedAttention(nn.Module):
         by the RoPE kernel, `blockdraft.models.decoder.FUSE_KV_STORE_INTO_ROPE`)."""
         meta = get_attention_metadata()
         return self._attention(query.device)(
-            query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window
-        )
+            query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,
+            split_counters=self.split_counters,
+        )  # fmt: skip
