@@ -155,3 +155,62 @@ def test_compile_stalls_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["compile_stalls.py"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         compile_stalls.main()
+
+
+def test_decode_breakdown_variants_leave_out_what_they_name(rng, monkeypatch) -> None:
+    """Each variant's attention block is the o projection of what it keeps: the rotated queries
+    (keys and values still stored), attention over the cache on the raw queries, or the raw
+    queries; "full" is the layer's own forward."""
+    from benchmarks import decode_breakdown
+    from blockdraft.engine.model_runner import allocate_kv_cache
+    from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+    from blockdraft.layers.rotary import RotaryEmbedding
+    from blockdraft.models.decoder import SelfAttention
+    from blockdraft.models.model_config import TransformerConfig
+
+    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    cfg = TransformerConfig(
+        architecture="qwen3", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1,
+        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
+        attention_bias=False, qk_norm=True,
+    )  # fmt: skip
+    layer = SelfAttention(cfg, RotaryEmbedding(8, 64, 10000.0, None)).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(torch.randn(p.shape, generator=rng) * 0.3)
+    allocate_kv_cache([layer.attn], 8, 4, torch.float32, torch.device("cpu"))
+    layer.attn.key_cache.normal_(generator=rng)
+    layer.attn.value_cache.normal_(generator=rng)
+    q, k, v = (torch.randn(2, n, generator=rng) for n in (32, 16, 16))
+    positions = torch.tensor([9, 4])
+    meta = build_attention_metadata([[0, 1, 2], [3, 4]], [9, 4], [1, 1], 4, torch.device("cpu"))
+    o_proj = layer.o_proj.weight
+    heads, kv_heads = (2, 4, 8), (2, 2, 8)
+
+    def run(variant: str) -> torch.Tensor:
+        with forward_context(meta):
+            return decode_breakdown.attend_qkv_without(variant)(layer, q, k, v, positions)
+
+    assert decode_breakdown.attend_qkv_without("full") is SelfAttention.attend_qkv
+    torch.testing.assert_close(run("gemms-only"), q @ o_proj.T)
+    with forward_context(meta):
+        raw_attention = layer.attn.attend(q.view(heads)).flatten(1)
+    torch.testing.assert_close(run("no-rope"), raw_attention @ o_proj.T)
+    rotated, _ = layer.norm_rope(positions, q.view(heads), k.view(kv_heads))
+    layer.attn.key_cache.zero_()
+    torch.testing.assert_close(run("no-attention"), rotated.flatten(1) @ o_proj.T)
+    assert layer.attn.key_cache.abs().sum() > 0  # the step's keys were stored
+    with forward_context(meta):
+        full = layer.attend_qkv(q, k, v, positions)
+    torch.testing.assert_close(run("full"), full)
+    with pytest.raises(ValueError, match="unknown variant"):
+        decode_breakdown.attend_qkv_without("no-mlp")
+
+
+def test_decode_breakdown_needs_a_gpu(monkeypatch) -> None:
+    from benchmarks import decode_breakdown
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("sys.argv", ["decode_breakdown.py"])
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        decode_breakdown.main()
