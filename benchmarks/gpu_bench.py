@@ -214,6 +214,8 @@ def mean_step_ms(
 # a PDL-launched skinny GEMM lets its successor launch on exit / at its programs' start / after
 # their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "nomerge" = split-K
 # decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
+# "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
+# attention kernel (triton_attention.DECODE_ROPE_IN_ATTENTION off);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -242,6 +244,8 @@ ABLATION = [
     ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
     ("AR", "split-K decode attention merged by a second kernel", 16, True, True, True,
      "async nomerge"),
+    ("AR", "q/k norm + RoPE + KV store in a kernel before attention", 16, True, True, True,
+     "async roperow"),
     ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
     ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
@@ -293,6 +297,7 @@ def ablate(
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = "nomerge" not in flags
+        triton_attention.DECODE_ROPE_IN_ATTENTION = "roperow" not in flags
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -310,6 +315,7 @@ def ablate(
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = True
+    triton_attention.DECODE_ROPE_IN_ATTENTION = True
     for name, value in env_default.items():
         if value is None:
             os.environ.pop(name)

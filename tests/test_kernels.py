@@ -19,7 +19,7 @@ from torch import nn  # noqa: E402
 pytest.importorskip("triton")
 
 from blockdraft import LLM, SamplingParams  # noqa: E402
-from blockdraft.kernels import select, triton_attention  # noqa: E402
+from blockdraft.kernels import select, triton_attention, triton_rope  # noqa: E402
 from blockdraft.kernels.dflash_inputs import (  # noqa: E402
     DFlashInputs,
     prepare_dflash_inputs_torch,
@@ -35,6 +35,7 @@ from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa
 from blockdraft.kernels.rope import (  # noqa: E402
     qk_norm_rope_store_torch,
     qk_norm_rope_torch,
+    rope_store_attention_torch,
     silu_mul_torch,
 )
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform  # noqa: E402
@@ -295,6 +296,120 @@ def test_attention_decode_merge_only_for_decode_rows(rng) -> None:
                     num_kv_heads=2, head_dim=16, causal=True, window=None, num_splits=4,
                     block_n=16, split_counters=counters)  # fmt: skip
     assert not counters.any()
+
+
+def rope_attention_case(
+    rng: torch.Generator,
+    starts: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm: bool,
+) -> tuple[dict, dict]:
+    """Inputs of `triton_rope_store_attention` / `rope_store_attention_torch` over scattered
+    pages (the twin's caches a copy), the first sequence's slot PAD; the step's keys in the
+    cache start as noise, which a missing store would leave there."""
+    meta, key_cache, value_cache = paged_batch(
+        rng, starts, query_lens, 4, num_kv_heads, head_dim, spare_blocks=1
+    )
+    # A reserved last block, as the engine's pool has, for the twin's PAD write to land in.
+    key_cache, value_cache = (torch.cat([c, randn(rng, 1, *c.shape[1:])]) for c in
+                              (key_cache, value_cache))  # fmt: skip
+    num_tokens = sum(query_lens)
+    meta.slot_mapping[0] = PAD_SLOT_ID
+    qkv = randn(rng, num_tokens, num_heads + 2 * num_kv_heads + 1, head_dim)  # strided views
+    rotary = RotaryEmbedding(head_dim, 128, 10000.0, None).to(DEVICE)
+    weights = (1 + 0.2 * randn(rng, head_dim), 1 + 0.2 * randn(rng, head_dim))
+    args = dict(
+        query=qkv[:, :num_heads], key=qkv[:, num_heads : num_heads + num_kv_heads],
+        value=qkv[:, num_heads + num_kv_heads : -1],
+        positions=torch.cat([torch.arange(s, s + n, device=DEVICE)
+                             for s, n in zip(starts, query_lens, strict=True)]),
+        cos_cache=rotary.cos_cache, sin_cache=rotary.sin_cache,
+        q_norm_weight=weights[0] if qk_norm else None,
+        k_norm_weight=weights[1] if qk_norm else None, eps=1e-6,
+    )  # fmt: skip
+    cached = dict(key_cache=key_cache, value_cache=value_cache, meta=meta, scale=head_dim**-0.5)
+    return args, cached
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits"),
+    [(4, 4, 16, True, 1), (4, 2, 24, False, 3), (6, 2, 16, True, 5), (8, 2, 16, True, 1)],
+)
+def test_decode_attention_norms_rotates_and_stores_the_step(
+    rng, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, num_splits: int
+) -> None:
+    """A decode launch with the step's raw q/k/v: the kernel norms and rotates the queries and
+    keys (as the RoPE kernel), stores the keys and values at their slots (none for a PAD row)
+    and attends over them; the output and both caches equal the twin's (RoPE + store, then
+    attention), with and without split-K, with no RoPE kernel launched."""
+    starts = [int(v) for v in torch.randint(5, 60, (3,), generator=rng)]
+    args, cached = rope_attention_case(rng, starts, [1, 1, 1], num_heads, num_kv_heads,
+                                       head_dim, qk_norm)  # fmt: skip
+    twin_caches = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
+    expected = rope_store_attention_torch(**args, **{**cached, **twin_caches})
+    step_kv = triton_attention.StepKV(
+        args["key"], args["value"], args["positions"], args["cos_cache"], args["sin_cache"],
+        args["q_norm_weight"], args["k_norm_weight"], args["eps"], cached["meta"].slot_mapping,
+    )  # fmt: skip
+    out = torch.full((3, num_heads, head_dim), float("nan"), device=DEVICE)
+    rope_kernel = triton_attention.triton_qk_norm_rope_store
+    triton_attention.triton_qk_norm_rope_store = None  # a launch of it would fail
+    try:
+        got = triton_paged_attention(
+            args["query"], cached["key_cache"], cached["value_cache"], cached["meta"],
+            cached["scale"], out=out, num_splits=num_splits, block_n=16, step_kv=step_kv,
+            split_counters=torch.zeros(16, dtype=torch.int32, device=DEVICE),
+        )  # fmt: skip
+    finally:
+        triton_attention.triton_qk_norm_rope_store = rope_kernel
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+    # The twin wraps the PAD row into the pool's reserved last block, where the kernel writes
+    # nothing; every other slot must match.
+    for name, cache in twin_caches.items():
+        torch.testing.assert_close(cached[name][:-1], cache[:-1], atol=1e-6, rtol=1e-6)
+
+
+def test_rope_store_attention_decode_and_not(rng, monkeypatch) -> None:
+    """The public wrapper: decode rows take the fused kernel; a verify block (and decode with
+    DECODE_ROPE_IN_ATTENTION off) runs the RoPE kernel first; all equal the twin."""
+    calls = []
+    rope_kernel = triton_attention.triton_qk_norm_rope_store
+
+    def counting(*a: object, **kw: object) -> object:
+        calls.append(1)
+        return rope_kernel(*a, **kw)
+
+    monkeypatch.setattr(triton_attention, "triton_qk_norm_rope_store", counting)
+    for query_lens, fused, expect_calls in (([1, 1], True, 0), ([3, 2], True, 1),
+                                            ([1, 1], False, 1)):  # fmt: skip
+        monkeypatch.setattr(triton_attention, "DECODE_ROPE_IN_ATTENTION", fused)
+        calls.clear()
+        args, cached = rope_attention_case(rng, [21, 40], query_lens, 4, 2, 16, True)
+        twin = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
+        expected = rope_store_attention_torch(**args, **{**cached, **twin})
+        got = triton_attention.triton_rope_store_attention(**args, **cached)
+        torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
+        torch.testing.assert_close(cached["key_cache"][:-1], twin["key_cache"][:-1])
+        assert len(calls) == expect_calls, (query_lens, fused)
+
+
+def test_step_kv_is_checked(rng) -> None:
+    args, cached = rope_attention_case(rng, [9, 12], [1, 1], 4, 2, 16, True)
+    step_kv = triton_attention.StepKV(
+        args["key"], args["value"], args["positions"], args["cos_cache"], args["sin_cache"],
+        args["q_norm_weight"], None, 1e-6, cached["meta"].slot_mapping,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="q and k norms come together"):
+        triton_paged_attention(args["query"], cached["key_cache"], cached["value_cache"],
+                               cached["meta"], 0.25, step_kv=step_kv)  # fmt: skip
+    _, verify = rope_attention_case(rng, [9, 12], [2, 1], 4, 2, 16, True)
+    with pytest.raises(ValueError, match="decode launches"):
+        triton_paged_attention(args["query"], verify["key_cache"], verify["value_cache"],
+                               verify["meta"], 0.25, step_kv=step_kv._replace(
+                                   k_norm_weight=args["k_norm_weight"]))  # fmt: skip
 
 
 def test_attention_split_k_chosen_for_long_decode(rng) -> None:
@@ -780,9 +895,8 @@ def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch) -> None:
         return triton_qk_norm_rope_store(*args, **kwargs)
 
     monkeypatch.setattr("blockdraft.kernels.triton_kv_store.triton_store_kv", counting_store)
-    monkeypatch.setattr(
-        "blockdraft.kernels.triton_rope.triton_qk_norm_rope_store", counting_rope_store
-    )
+    for module in (triton_rope, triton_attention):  # the drafter's context path, the layers'
+        monkeypatch.setattr(module, "triton_qk_norm_rope_store", counting_rope_store)
     layers, final = layer_stack(rng, torch.float32)
     decoder.fuse_projections(layers)
     # A prefill chunk, a decode row and a verify block over scattered pages.
@@ -1169,6 +1283,9 @@ def test_engine_greedy_same_with_triton_kernels(
 
     expected = generate("torch")
     calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
+    if not speculative:  # (DFlash steps verify: no decode forward)
+        # Decode forwards norm, rotate and store the step's q/k/v in the attention kernel.
+        calls["rope in attention"] = 0
     if speculative:
         calls["rope keys only"] = 0  # the drafter's context K (project_kv)
         calls["dflash inputs"] = 0  # the drafter's inputs, built from the step's results
@@ -1184,6 +1301,8 @@ def test_engine_greedy_same_with_triton_kernels(
 
     def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
         calls["attention"] += 1
+        if kwargs.get("step_kv") is not None:
+            calls["rope in attention"] += 1
         return triton_paged_attention(*args, **kwargs)
 
     def counting_norm(*args: object, **kwargs: object) -> object:
@@ -1210,9 +1329,8 @@ def test_engine_greedy_same_with_triton_kernels(
 
     monkeypatch.setattr("blockdraft.kernels.triton_rmsnorm.triton_rms_norm", counting_norm)
     monkeypatch.setattr("blockdraft.kernels.triton_rope.triton_qk_norm_rope", counting_rope)
-    monkeypatch.setattr(
-        "blockdraft.kernels.triton_rope.triton_qk_norm_rope_store", counting_rope_store
-    )
+    for module in (triton_rope, triton_attention):  # the drafter's context path, the layers'
+        monkeypatch.setattr(module, "triton_qk_norm_rope_store", counting_rope_store)
     monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
     got = generate("triton")
     # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE,

@@ -122,7 +122,7 @@ from blockdraft.kernels.triton_rope import _qk_norm_rope_kernel
 
 F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr")
 I32 = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "counters_ptr")
-I64 = ("positions_ptr", "slot_mapping_ptr")
+I64 = ("positions_ptr", "slot_mapping_ptr")  # the attention's rope inputs too
 
 def signature(kernel, const, out_f32):
     sig = {}
@@ -163,13 +163,14 @@ variants = {
     "attention split": (_paged_attention_kernel,
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
                              CAUSAL=True, USE_WINDOW=False, SPLIT=True, MERGE=False,
-                             MERGE_SPLITS=1, INPUT_PRECISION="tf32"),
+                             MERGE_SPLITS=1, ROPE=False, HAS_QK_NORM=False,
+                             INPUT_PRECISION="tf32"),
                         {}),
-    "attention split, decode merge": (
+    "attention split, decode merge + rope": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16,
-             INPUT_PRECISION="tf32"),
+             USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
+             HAS_QK_NORM=True, INPUT_PRECISION="tf32"),
         {"num_warps": 2}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),

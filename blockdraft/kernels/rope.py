@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockdraft.kernels.paged_attention import store_kv
+from blockdraft.kernels.forward_context import AttentionMetadata
+from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
 
 
@@ -84,6 +85,35 @@ def qk_norm_rope_store_torch(
     )
     store_kv(key, value, key_cache, value_cache, slot_mapping)
     return query, key
+
+
+def rope_store_attention_torch(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before q norm and RoPE
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None,  # [head_dim]
+    eps: float,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    *,
+    split_counters: torch.Tensor | None = None,  # the Triton kernel's workspace; unused here
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """An attention layer's step after its q/k/v projection: `qk_norm_rope_store_torch` (the
+    step's keys and values into the cache at meta.slot_mapping), then `paged_attention` of the
+    rotated queries."""
+    query, _ = qk_norm_rope_store_torch(
+        query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, eps,
+        key_cache, value_cache, meta.slot_mapping,
+    )  # fmt: skip
+    return paged_attention(query, key_cache, value_cache, meta, scale, causal, window)
 
 
 def silu_mul_torch(

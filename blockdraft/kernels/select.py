@@ -32,7 +32,12 @@ from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
-from blockdraft.kernels.rope import qk_norm_rope_store_torch, qk_norm_rope_torch, silu_mul_torch
+from blockdraft.kernels.rope import (
+    qk_norm_rope_store_torch,
+    qk_norm_rope_torch,
+    rope_store_attention_torch,
+    silu_mul_torch,
+)
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -145,6 +150,18 @@ def get_rope_backend(device: torch.device | str | None = None) -> RopeFn:
 
         return triton_rope.triton_qk_norm_rope
     return qk_norm_rope_torch
+
+
+def get_rope_store_attention_backend(device: torch.device | str | None = None) -> AttentionFn:
+    """`fn(query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight,
+    eps, key_cache, value_cache, meta, scale, causal, window, *, split_counters) -> out`: the
+    rope-store backend's work, then attention of the rotated queries; in one kernel for a
+    decode forward on the Triton path; same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_attention
+
+        return triton_attention.triton_rope_store_attention
+    return rope_store_attention_torch
 
 
 def get_rope_store_backend(device: torch.device | str | None = None) -> RopeFn:

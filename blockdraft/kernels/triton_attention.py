@@ -20,12 +20,15 @@ the call never waits on the device and can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from blockdraft.kernels.forward_context import AttentionMetadata
 from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start
+from blockdraft.kernels.triton_rope import triton_qk_norm_rope_store
 
 _LOG2E = 1.4426950408889634
 
@@ -152,6 +155,39 @@ def _merge_decode_group(
     )
 
 
+@triton.jit
+def _norm_rope_rows(
+    row_ptrs,  # [R] pointers to each row's first element (one head of one token)
+    row_ok,  # [R] bool
+    w_ptr,  # [head_dim] norm weight; read when HAS_NORM
+    cos,  # [BLOCK_D] f32, the token's angles for every dimension (i and i + head_dim / 2 share)
+    sin,  # [BLOCK_D] f32
+    eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):  # [R, BLOCK_D] in the rows' dtype
+    """`triton_rope`'s per-head RMSNorm and rotate-half RoPE on whole rows, with the same
+    roundings: each dimension's rotation partner (i +- head_dim / 2) is loaded as a second
+    tile, so y = x * cos - partner * sin below half and x * cos + partner * sin above."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    partner = tl.where(offs_d < HALF, offs_d + HALF, offs_d - HALF)
+    d_ok = offs_d < HEAD_DIM
+    ok = row_ok[:, None] & d_ok[None, :]
+    ty = row_ptrs.dtype.element_ty
+    x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(row_ptrs[:, None] + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        x = ((x * rstd).to(ty).to(tl.float32) * w).to(ty).to(tl.float32)
+        xp = ((xp * rstd).to(ty).to(tl.float32) * wp).to(ty).to(tl.float32)
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    return (x * cos[None, :] + sign[None, :] * (xp * sin[None, :])).to(ty)
+
+
 # Runtime sizes are not specialised (Triton compiles values of 1 and multiples of 16 apart):
 # an eager call whose block-table width or split count crosses one must not compile mid-serving.
 @triton.jit(do_not_specialize=["stride_bt", "tiles_per_seq", "num_splits"])
@@ -164,6 +200,14 @@ def _paged_attention_kernel(
     part_max_ptr,  # [num_tokens, num_heads, num_splits] f32 (log2 domain)
     part_sum_ptr,  # [num_tokens, num_heads, num_splits] f32
     counters_ptr,  # [>= num_seqs * num_kv_heads] int32, zero between launches; with MERGE
+    k_new_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's keys, raw; with ROPE
+    v_new_ptr,  # [num_tokens, num_kv_heads, head_dim] this step's values; with ROPE
+    positions_ptr,  # [num_tokens] int64; with ROPE
+    cos_ptr,  # [max_position, head_dim / 2] f32; with ROPE
+    sin_ptr,  # [max_position, head_dim / 2] f32; with ROPE
+    q_w_ptr,  # [head_dim] q norm weight; with ROPE and HAS_QK_NORM
+    k_w_ptr,  # [head_dim] k norm weight; with ROPE and HAS_QK_NORM
+    slot_mapping_ptr,  # [num_tokens] int, negative (PAD_SLOT_ID) = store nothing; with ROPE
     query_start_loc_ptr,  # [num_seqs + 1] int
     seq_lens_ptr,  # [num_seqs] int
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int
@@ -178,12 +222,19 @@ def _paged_attention_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_cos,
+    stride_sin,
     num_heads,
     tiles_per_seq,
     num_splits,
     block_size,
     window,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    eps,  # of the q/k norms; with ROPE and HAS_QK_NORM
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -194,6 +245,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MERGE: tl.constexpr,  # with SPLIT, one query row a sequence: the last split merges
     MERGE_SPLITS: tl.constexpr,  # with MERGE: DECODE_MERGE_MAX_SPLITS (one compile for all)
+    ROPE: tl.constexpr,  # one query row a sequence, q raw: norm + rotate it, store the new k/v
+    HAS_QK_NORM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
@@ -223,11 +276,21 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     row = q_start + tok  # [BLOCK_M] flat token index
 
-    q = tl.load(
-        q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [BLOCK_M, BLOCK_D]
+    if ROPE:  # one query row: every row of the tile is the same token
+        pos = tl.load(positions_ptr + q_start)
+        half_d = offs_d % (HEAD_DIM // 2)
+        cos = tl.load(cos_ptr + pos * stride_cos + half_d, mask=d_ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + pos * stride_sin + half_d, mask=d_ok, other=0.0).to(tl.float32)
+        q = _norm_rope_rows(
+            q_ptr + row * stride_qt + head * stride_qh, row_ok, q_w_ptr, cos, sin, eps,
+            HEAD_DIM, BLOCK_D, HAS_QK_NORM,
+        )  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_D]
 
     # Key range this tile can see at all; tiles wholly outside it are never loaded.
     first_pos = seq_len - q_len + first_tok
@@ -246,6 +309,27 @@ def _paged_attention_kernel(
         tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
         lo = lo + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
+
+    if ROPE:
+        # The step's key sits at seq_len - 1: the program whose key range holds it writes it
+        # (and its value) to the cache, then reads it back with the others after the barrier.
+        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
+        if (seq_len - 1 >= lo) & (seq_len - 1 < hi) & (slot >= 0):
+            one = tl.zeros([1], dtype=tl.int64)
+            new_k = _norm_rope_rows(
+                k_new_ptr + q_start * stride_knt + kv_head * stride_knh + one, one == 0,
+                k_w_ptr, cos, sin, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM,
+            )  # [1, BLOCK_D] fmt: skip
+            page = slot // block_size
+            in_page = slot % block_size
+            cols = one[:, None] + offs_d[None, :]  # [1, BLOCK_D]
+            k_dst = k_cache_ptr + page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+            tl.store(k_dst + cols, new_k.to(k_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
+            v_src = v_new_ptr + q_start * stride_vnt + kv_head * stride_vnh
+            v_dst = v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+            new_v = tl.load(v_src + cols, mask=d_ok[None, :])
+            tl.store(v_dst + cols, new_v.to(v_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
+        tl.debug_barrier()
 
     # Tiles where every row sees every key skip the mask: with causal prefill and long cached
     # contexts that is nearly all of them. Full tiles are tiles [lo + i0 * BLOCK_N,
@@ -411,6 +495,10 @@ REDUCE_SPLITS_PER_PASS = (16, 64)
 DECODE_MERGE_MAX_SPLITS = 16
 DECODE_MERGE_MAX_TILE = 8192
 FUSE_DECODE_SPLIT_MERGE = True
+# A decode forward's q/k norm, RoPE and KV store run in the attention kernel
+# (`triton_rope_store_attention`) instead of a kernel of their own before it. False: the
+# separate kernel (A/B runs).
+DECODE_ROPE_IN_ATTENTION = True
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -440,6 +528,21 @@ def _num_warps(block_m: int, block_d: int) -> int:
     return 4 if block_m * block_d <= 64 * 128 else 8
 
 
+class StepKV(NamedTuple):
+    """A decode step's raw keys and values and what norms, rotates and stores them (and norms
+    and rotates the raw queries): `triton_paged_attention`'s `step_kv`."""
+
+    key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim], before norm and RoPE
+    value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor  # [num_tokens] int64
+    cos_cache: torch.Tensor  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor  # [max_position, head_dim / 2] float32
+    q_norm_weight: torch.Tensor | None  # [head_dim]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None  # [head_dim]
+    eps: float
+    slot_mapping: torch.Tensor  # [num_tokens] int64, PAD_SLOT_ID rows store nothing
+
+
 def triton_paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -456,10 +559,16 @@ def triton_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_counters: torch.Tensor | None = None,  # [n] int32 zeros, kept between launches
+    step_kv: StepKV | None = None,  # decode only: query is raw, see below
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention (the `paged_attention` contract). `split_counters` lets a split decode
     launch merge its splits itself (see the module doc): an int32 buffer of at least
-    num_seqs * num_kv_heads zeros that only this function touches and leaves zeroed."""
+    num_seqs * num_kv_heads zeros that only this function touches and leaves zeroed.
+
+    With `step_kv` (one query row a sequence, one dtype for queries, keys and norm weights),
+    the query is taken before its q norm and RoPE and the step's keys and values are not in
+    the cache yet: the kernel norms and rotates both as `triton_qk_norm_rope_store` does and
+    stores the keys and values first (`triton_rope_store_attention`'s decode path)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -475,6 +584,8 @@ def triton_paged_attention(
     if key_cache.stride(3) != 1 or value_cache.stride(3) != 1 or out.stride(2) != 1:
         raise ValueError("key_cache, value_cache and out need a contiguous head_dim")
 
+    if step_kv is not None:
+        _check_step_kv(query, key_cache, meta, step_kv)
     block_m = block_m or _block_m(meta.max_query_len, group)
     if block_m < group:
         raise ValueError(f"block_m {block_m} cannot hold a GQA group of {group}")
@@ -517,6 +628,11 @@ def triton_paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
     pdl = pdl_enabled(query.device)
+    # Without step_kv the kernel never reads these: any tensors will do.
+    kv = step_kv or StepKV(key_cache, value_cache, meta.seq_lens, out, out, None, None, 0.0,
+                           meta.seq_lens)  # fmt: skip
+    q_w = kv.q_norm_weight if kv.q_norm_weight is not None else query
+    k_w = kv.k_norm_weight if kv.k_norm_weight is not None else query
     _paged_attention_kernel[grid](
         query,
         key_cache,
@@ -526,6 +642,14 @@ def triton_paged_attention(
         part_max,
         part_sum,
         split_counters if merge else meta.seq_lens,  # unused without MERGE
+        kv.key,
+        kv.value,
+        kv.positions,
+        kv.cos_cache,
+        kv.sin_cache,
+        q_w,
+        k_w,
+        kv.slot_mapping,
         meta.query_start_loc,
         meta.seq_lens,
         meta.block_tables,
@@ -540,12 +664,19 @@ def triton_paged_attention(
         out.stride(0),
         out.stride(1),
         meta.block_tables.stride(0),
+        kv.key.stride(0),
+        kv.key.stride(1),
+        kv.value.stride(0),
+        kv.value.stride(1),
+        kv.cos_cache.stride(0),
+        kv.sin_cache.stride(0),
         num_heads,
         tiles_per_seq,
         num_splits,
         meta.block_size,
         window or 0,
         scale * _LOG2E,
+        kv.eps,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=block_m,
@@ -556,6 +687,8 @@ def triton_paged_attention(
         SPLIT=split,
         MERGE=merge,
         MERGE_SPLITS=DECODE_MERGE_MAX_SPLITS if merge else 1,
+        ROPE=step_kv is not None,
+        HAS_QK_NORM=kv.q_norm_weight is not None,
         INPUT_PRECISION=precision,
         PDL=pdl,
         num_warps=num_warps or _num_warps(block_m, block_d),
@@ -580,3 +713,85 @@ def triton_paged_attention(
             **launch_options(pdl),
         )
     return out
+
+
+def _check_step_kv(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    kv: StepKV,
+) -> None:
+    if meta.max_query_len != 1:
+        raise ValueError(f"step_kv is for decode launches, not {meta.max_query_len} query rows")
+    num_tokens, _, head_dim = query.shape
+    expected = (num_tokens, key_cache.shape[2], head_dim)
+    if kv.key.shape != expected or kv.value.shape != expected:
+        raise ValueError(f"step keys {tuple(kv.key.shape)} / values {tuple(kv.value.shape)} "
+                         f"are not {expected}")  # fmt: skip
+    if head_dim % 2 or kv.key.stride(2) != 1 or kv.value.stride(2) != 1:
+        raise ValueError("RoPE needs an even, contiguous head_dim")
+    if (kv.q_norm_weight is None) != (kv.k_norm_weight is None):
+        raise ValueError("q and k norms come together")
+    weights = [w for w in (kv.q_norm_weight, kv.k_norm_weight) if w is not None]
+    if any(t.dtype != query.dtype for t in (kv.key, kv.value, *weights)):
+        raise ValueError("step_kv needs one dtype for queries, keys, values and norm weights")
+    if kv.slot_mapping.shape != (num_tokens,) or kv.positions.shape != (num_tokens,):
+        raise ValueError("slot_mapping and positions need one entry per token")
+
+
+def rope_fits_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], raw
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], raw
+    value: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    meta: AttentionMetadata,
+) -> bool:
+    """Whether the attention kernel can norm, rotate and store this step itself (`step_kv`)."""
+    weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
+    return (
+        DECODE_ROPE_IN_ATTENTION
+        and meta.max_query_len == 1
+        and query.shape[-1] % 2 == 0
+        and (q_norm_weight is None) == (k_norm_weight is None)
+        and all(t.dtype == query.dtype for t in (key, value, *weights))
+        and all(t.stride(-1) == 1 for t in (query, key, value))
+    )
+
+
+def triton_rope_store_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before q norm and RoPE
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [num_tokens] int64
+    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
+    k_norm_weight: torch.Tensor | None,  # [head_dim]
+    eps: float,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+    *,
+    split_counters: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`triton_qk_norm_rope_store` then `triton_paged_attention` on the rotated queries: the
+    `rope_store_attention_torch` contract. A decode forward does both in the attention kernel
+    (DECODE_ROPE_IN_ATTENTION), one launch a layer less."""
+    if rope_fits_attention(query, key, value, q_norm_weight, k_norm_weight, meta):
+        step_kv = StepKV(key, value, positions, cos_cache, sin_cache, q_norm_weight,
+                         k_norm_weight, eps, meta.slot_mapping)  # fmt: skip
+        return triton_paged_attention(
+            query, key_cache, value_cache, meta, scale, causal, window,
+            split_counters=split_counters, step_kv=step_kv,
+        )  # fmt: skip
+    query, _ = triton_qk_norm_rope_store(
+        query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight, eps,
+        key_cache, value_cache, meta.slot_mapping,
+    )  # fmt: skip
+    return triton_paged_attention(
+        query, key_cache, value_cache, meta, scale, causal, window, split_counters=split_counters
+    )

@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.forward_context import get_attention_metadata
-from blockdraft.kernels.select import PerDevice, get_attention_backend, get_store_kv_backend
+from blockdraft.kernels.select import (
+    PerDevice,
+    get_attention_backend,
+    get_rope_store_attention_backend,
+    get_store_kv_backend,
+)
 
 
 class PagedAttention(nn.Module):
@@ -32,6 +37,7 @@ class PagedAttention(nn.Module):
         # Triton on CUDA, the torch twin elsewhere; resolved once per device.
         self._store_kv = PerDevice(get_store_kv_backend)
         self._attention = PerDevice(get_attention_backend)
+        self._rope_store_attention = PerDevice(get_rope_store_attention_backend)
 
     def forward(
         self,
@@ -54,5 +60,26 @@ class PagedAttention(nn.Module):
         meta = get_attention_metadata()
         return self._attention(query.device)(
             query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,
+            split_counters=self.split_counters,
+        )  # fmt: skip
+
+    def rope_store_attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before q norm and RoPE
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+        cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+        sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+        q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm
+        k_norm_weight: torch.Tensor | None,  # [head_dim]
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """q/k norm and RoPE, this step's keys and values into the cache, then `attend`: one
+        kernel for a decode forward on the Triton path, two otherwise."""
+        meta = get_attention_metadata()
+        return self._rope_store_attention(query.device)(
+            query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight,
+            eps, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,
             split_counters=self.split_counters,
         )  # fmt: skip

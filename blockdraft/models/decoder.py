@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.kernels.forward_context import get_attention_metadata
 from blockdraft.kernels.rope import silu_mul_torch
 from blockdraft.kernels.select import (
     PerDevice,
@@ -204,12 +203,10 @@ class SelfAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.fuses_kv_store(q, k, v):
-            attn = self.attn
-            slots = get_attention_metadata().slot_mapping
-            q, _ = self.rotary.forward_store(
-                positions, q, k, v, attn.key_cache, attn.value_cache, slots, *self._norms()
+            rotary = self.rotary
+            out = self.attn.rope_store_attend(
+                q, k, v, positions, rotary.cos_cache, rotary.sin_cache, *self._norms()
             )
-            out = attn.attend(q)  # this step's keys and values are in the cache already
         else:
             q, k = self.norm_rope(positions, q, k)
             out = self.attn(q, k, v)
