@@ -14,6 +14,11 @@ or, for decode rows (one query row per sequence, at most DECODE_MERGE_MAX_SPLITS
 the attention kernel itself: each program counts itself done on a per-(sequence, kv head)
 counter and the last one merges the group's partials (no second launch on the decode path).
 
+A decode launch can also take the step's q/k/v raw (`step_kv`, through
+`triton_rope_store_attention`): each program norms and rotates its queries, and the program
+whose key range holds the new position norms, rotates and stores the step's key and value in
+the cache before reading its keys, which saves the RoPE kernel's launch.
+
 Only meta's python ints (max_query_len, max_seq_len) and tensor shapes steer the launch, so
 the call never waits on the device and can be captured in a CUDA graph.
 """
