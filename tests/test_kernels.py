@@ -260,7 +260,7 @@ def test_attention_split_k_forced(rng, mode: str, num_splits: int) -> None:
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "num_splits"),
-    [(4, 2, 16, 5), (6, 2, 24, 16), (8, 2, 16, 3)],  # GQA 2, 3 (padded to 4) and 4
+    [(4, 2, 16, 5), (6, 2, 24, 16), (8, 2, 16, 3), (2, 2, 16, 7)],  # GQA 2, 3 (as 4), 4, 1
 )
 def test_attention_decode_merges_its_splits(
     rng, num_heads: int, num_kv_heads: int, head_dim: int, num_splits: int
