@@ -215,7 +215,8 @@ def mean_step_ms(
 # their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "nomerge" = split-K
 # decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
 # "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
-# attention kernel (triton_attention.DECODE_ROPE_IN_ATTENTION off);
+# attention kernel, "rope16" = in it for verify and drafter blocks too
+# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -246,6 +247,8 @@ ABLATION = [
      "async nomerge"),
     ("AR", "q/k norm + RoPE + KV store in a kernel before attention", 16, True, True, True,
      "async roperow"),
+    ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention", 16, True, True, True,
+     "rope16"),
     ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
     ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
@@ -279,6 +282,7 @@ def ablate(
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
+    rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
@@ -297,7 +301,9 @@ def ablate(
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = "nomerge" not in flags
-        triton_attention.DECODE_ROPE_IN_ATTENTION = "roperow" not in flags
+        triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
+            0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
+        )
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -315,7 +321,7 @@ def ablate(
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = True
-    triton_attention.DECODE_ROPE_IN_ATTENTION = True
+    triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():
         if value is None:
             os.environ.pop(name)

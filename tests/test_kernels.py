@@ -335,33 +335,50 @@ def rope_attention_case(
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits"),
-    [(4, 4, 16, True, 1), (4, 2, 24, False, 3), (6, 2, 16, True, 5), (8, 2, 16, True, 1)],
+    ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits", "query_lens", "causal"),
+    [
+        (4, 4, 16, True, 1, [1, 1, 1], True),  # decode
+        (4, 2, 24, False, 3, [1, 1, 1], True),
+        (6, 2, 16, True, 5, [1, 1, 1], True),
+        (8, 2, 16, True, 1, [1, 1, 1], True),
+        (4, 2, 16, True, 4, [4, 1, 3], True),  # verify blocks: step keys across splits
+        (6, 2, 24, True, 1, [5, 5, 5], True),
+        (4, 2, 16, True, 3, [4, 4, 4], False),  # drafter blocks (non-causal)
+    ],
 )
-def test_decode_attention_norms_rotates_and_stores_the_step(
-    rng, num_heads: int, num_kv_heads: int, head_dim: int, qk_norm: bool, num_splits: int
+def test_attention_norms_rotates_and_stores_the_step(
+    rng,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    qk_norm: bool,
+    num_splits: int,
+    query_lens: list[int],
+    causal: bool,
 ) -> None:
-    """A decode launch with the step's raw q/k/v: the kernel norms and rotates the queries and
-    keys (as the RoPE kernel), stores the keys and values at their slots (none for a PAD row)
-    and attends over them; the output and both caches equal the twin's (RoPE + store, then
-    attention), with and without split-K, with no RoPE kernel launched."""
+    """A launch with the step's raw q/k/v: the kernel norms and rotates the queries and keys
+    (as the RoPE kernel), stores the keys and values at their slots (none for a PAD row) and
+    attends over them; the output and both caches equal the twin's (RoPE + store, then
+    attention), with and without split-K (a block's keys then span splits), with no RoPE
+    kernel launched."""
     starts = [int(v) for v in torch.randint(5, 60, (3,), generator=rng)]
-    args, cached = rope_attention_case(rng, starts, [1, 1, 1], num_heads, num_kv_heads,
+    args, cached = rope_attention_case(rng, starts, query_lens, num_heads, num_kv_heads,
                                        head_dim, qk_norm)  # fmt: skip
+    cached["causal"] = causal
     twin_caches = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
     expected = rope_store_attention_torch(**args, **{**cached, **twin_caches})
     step_kv = triton_attention.StepKV(
         args["key"], args["value"], args["positions"], args["cos_cache"], args["sin_cache"],
         args["q_norm_weight"], args["k_norm_weight"], args["eps"], cached["meta"].slot_mapping,
     )  # fmt: skip
-    out = torch.full((3, num_heads, head_dim), float("nan"), device=DEVICE)
+    out = torch.full((sum(query_lens), num_heads, head_dim), float("nan"), device=DEVICE)
     rope_kernel = triton_attention.triton_qk_norm_rope_store
     triton_attention.triton_qk_norm_rope_store = None  # a launch of it would fail
     try:
         got = triton_paged_attention(
             args["query"], cached["key_cache"], cached["value_cache"], cached["meta"],
-            cached["scale"], out=out, num_splits=num_splits, block_n=16, step_kv=step_kv,
-            split_counters=torch.zeros(16, dtype=torch.int32, device=DEVICE),
+            cached["scale"], causal, out=out, num_splits=num_splits, block_n=16,
+            step_kv=step_kv, split_counters=torch.zeros(16, dtype=torch.int32, device=DEVICE),
         )  # fmt: skip
     finally:
         triton_attention.triton_qk_norm_rope_store = rope_kernel
@@ -372,9 +389,9 @@ def test_decode_attention_norms_rotates_and_stores_the_step(
         torch.testing.assert_close(cached[name][:-1], cache[:-1], atol=1e-6, rtol=1e-6)
 
 
-def test_rope_store_attention_decode_and_not(rng, monkeypatch) -> None:
-    """The public wrapper: decode rows take the fused kernel; a verify block (and decode with
-    DECODE_ROPE_IN_ATTENTION off) runs the RoPE kernel first; all equal the twin."""
+def test_rope_store_attention_fused_or_not(rng, monkeypatch) -> None:
+    """The public wrapper: launches of at most ROPE_IN_ATTENTION_MAX_QUERY_LEN query rows take
+    the fused kernel, others (and all with 0) run the RoPE kernel first; all equal the twin."""
     calls = []
     rope_kernel = triton_attention.triton_qk_norm_rope_store
 
@@ -383,9 +400,9 @@ def test_rope_store_attention_decode_and_not(rng, monkeypatch) -> None:
         return rope_kernel(*a, **kw)
 
     monkeypatch.setattr(triton_attention, "triton_qk_norm_rope_store", counting)
-    for query_lens, fused, expect_calls in (([1, 1], True, 0), ([3, 2], True, 1),
-                                            ([1, 1], False, 1)):  # fmt: skip
-        monkeypatch.setattr(triton_attention, "DECODE_ROPE_IN_ATTENTION", fused)
+    for query_lens, max_rows, expect_calls in (([1, 1], 1, 0), ([3, 2], 1, 1), ([1, 1], 0, 1),
+                                               ([3, 2], 16, 0)):  # fmt: skip
+        monkeypatch.setattr(triton_attention, "ROPE_IN_ATTENTION_MAX_QUERY_LEN", max_rows)
         calls.clear()
         args, cached = rope_attention_case(rng, [21, 40], query_lens, 4, 2, 16, True)
         twin = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
@@ -393,7 +410,7 @@ def test_rope_store_attention_decode_and_not(rng, monkeypatch) -> None:
         got = triton_attention.triton_rope_store_attention(**args, **cached)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
         torch.testing.assert_close(cached["key_cache"][:-1], twin["key_cache"][:-1])
-        assert len(calls) == expect_calls, (query_lens, fused)
+        assert len(calls) == expect_calls, (query_lens, max_rows)
 
 
 def test_step_kv_is_checked(rng) -> None:
@@ -405,11 +422,14 @@ def test_step_kv_is_checked(rng) -> None:
     with pytest.raises(ValueError, match="q and k norms come together"):
         triton_paged_attention(args["query"], cached["key_cache"], cached["value_cache"],
                                cached["meta"], 0.25, step_kv=step_kv)  # fmt: skip
-    _, verify = rope_attention_case(rng, [9, 12], [2, 1], 4, 2, 16, True)
-    with pytest.raises(ValueError, match="decode launches"):
-        triton_paged_attention(args["query"], verify["key_cache"], verify["value_cache"],
-                               verify["meta"], 0.25, step_kv=step_kv._replace(
-                                   k_norm_weight=args["k_norm_weight"]))  # fmt: skip
+    long, cached = rope_attention_case(rng, [9, 12], [9, 1], 4, 2, 16, True)
+    step_kv = triton_attention.StepKV(
+        long["key"], long["value"], long["positions"], long["cos_cache"], long["sin_cache"],
+        long["q_norm_weight"], long["k_norm_weight"], 1e-6, cached["meta"].slot_mapping,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="in one tile of 8"):  # 16-row tiles of GQA-2 pairs
+        triton_paged_attention(long["query"], cached["key_cache"], cached["value_cache"],
+                               cached["meta"], 0.25, step_kv=step_kv, block_m=16)  # fmt: skip
 
 
 def test_attention_split_k_chosen_for_long_decode(rng) -> None:

@@ -14,10 +14,11 @@ or, for decode rows (one query row per sequence, at most DECODE_MERGE_MAX_SPLITS
 the attention kernel itself: each program counts itself done on a per-(sequence, kv head)
 counter and the last one merges the group's partials (no second launch on the decode path).
 
-A decode launch can also take the step's q/k/v raw (`step_kv`, through
-`triton_rope_store_attention`): each program norms and rotates its queries, and the program
-whose key range holds the new position norms, rotates and stores the step's key and value in
-the cache before reading its keys, which saves the RoPE kernel's launch.
+A launch whose sequences' query rows each fit one tile (decode, by default only decode:
+ROPE_IN_ATTENTION_MAX_QUERY_LEN) can also take the step's q/k/v raw (`step_kv`, through
+`triton_rope_store_attention`): each program norms and rotates its queries, and stores the
+step's keys (normed, rotated) and values whose positions fall in its key range before reading
+its keys, which saves the RoPE kernel's launch.
 
 Only meta's python ints (max_query_len, max_seq_len) and tensor shapes steer the launch, so
 the call never waits on the device and can be captured in a CUDA graph.
@@ -165,8 +166,8 @@ def _norm_rope_rows(
     row_ptrs,  # [R] pointers to each row's first element (one head of one token)
     row_ok,  # [R] bool
     w_ptr,  # [head_dim] norm weight; read when HAS_NORM
-    cos,  # [BLOCK_D] f32, the token's angles for every dimension (i and i + head_dim / 2 share)
-    sin,  # [BLOCK_D] f32
+    cos,  # [R or 1, BLOCK_D] f32, each row's angles (i and i + head_dim / 2 share one)
+    sin,  # [R or 1, BLOCK_D] f32
     eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -190,7 +191,22 @@ def _norm_rope_rows(
         x = ((x * rstd).to(ty).to(tl.float32) * w).to(ty).to(tl.float32)
         xp = ((xp * rstd).to(ty).to(tl.float32) * wp).to(ty).to(tl.float32)
     sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    return (x * cos[None, :] + sign[None, :] * (xp * sin[None, :])).to(ty)
+    return (x * cos + sign[None, :] * (xp * sin)).to(ty)
+
+
+@triton.jit
+def _angles(
+    table_ptr,  # [max_position, head_dim / 2] f32 (cos or sin)
+    pos,  # [R] int positions
+    ok,  # [R] bool
+    stride,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # [R, BLOCK_D] f32: dimension i and i + head_dim / 2 take angle i
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    cols = (offs_d % (HEAD_DIM // 2))[None, :]
+    return tl.load(table_ptr + pos[:, None] * stride + cols, mask=mask, other=0.0).to(tl.float32)
 
 
 # Runtime sizes are not specialised (Triton compiles values of 1 and multiples of 16 apart):
@@ -250,7 +266,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     MERGE: tl.constexpr,  # with SPLIT, one query row a sequence: the last split merges
     MERGE_SPLITS: tl.constexpr,  # with MERGE: DECODE_MERGE_MAX_SPLITS (one compile for all)
-    ROPE: tl.constexpr,  # one query row a sequence, q raw: norm + rotate it, store the new k/v
+    ROPE: tl.constexpr,  # q raw: norm + rotate it, store the step's k/v (one tile a sequence)
+    ONE_ROW: tl.constexpr,  # with ROPE: one query row a sequence (decode)
     HAS_QK_NORM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
@@ -281,11 +298,16 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     row = q_start + tok  # [BLOCK_M] flat token index
 
-    if ROPE:  # one query row: every row of the tile is the same token
-        pos = tl.load(positions_ptr + q_start)
-        half_d = offs_d % (HEAD_DIM // 2)
-        cos = tl.load(cos_ptr + pos * stride_cos + half_d, mask=d_ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + pos * stride_sin + half_d, mask=d_ok, other=0.0).to(tl.float32)
+    if ROPE:
+        if ONE_ROW:  # every row of the tile is the same token: one gather of its angles
+            one = tl.zeros([1], dtype=tl.int64)
+            pos = tl.load(positions_ptr + q_start + one)
+            cos = _angles(cos_ptr, pos, one == 0, stride_cos, HEAD_DIM, BLOCK_D)  # [1, BLOCK_D]
+            sin = _angles(sin_ptr, pos, one == 0, stride_sin, HEAD_DIM, BLOCK_D)
+        else:
+            pos = tl.load(positions_ptr + row, mask=row_ok, other=0)
+            cos = _angles(cos_ptr, pos, row_ok, stride_cos, HEAD_DIM, BLOCK_D)  # [BLOCK_M, D]
+            sin = _angles(sin_ptr, pos, row_ok, stride_sin, HEAD_DIM, BLOCK_D)
         q = _norm_rope_rows(
             q_ptr + row * stride_qt + head * stride_qh, row_ok, q_w_ptr, cos, sin, eps,
             HEAD_DIM, BLOCK_D, HAS_QK_NORM,
@@ -315,12 +337,11 @@ def _paged_attention_kernel(
         lo = lo + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
 
-    if ROPE:
+    if ROPE and ONE_ROW:
         # The step's key sits at seq_len - 1: the program whose key range holds it writes it
         # (and its value) to the cache, then reads it back with the others after the barrier.
         slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
         if (seq_len - 1 >= lo) & (seq_len - 1 < hi) & (slot >= 0):
-            one = tl.zeros([1], dtype=tl.int64)
             new_k = _norm_rope_rows(
                 k_new_ptr + q_start * stride_knt + kv_head * stride_knh + one, one == 0,
                 k_w_ptr, cos, sin, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM,
@@ -334,6 +355,32 @@ def _paged_attention_kernel(
             v_dst = v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh
             new_v = tl.load(v_src + cols, mask=d_ok[None, :])
             tl.store(v_dst + cols, new_v.to(v_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
+        tl.debug_barrier()
+    if ROPE and not ONE_ROW:
+        # The sequence's step keys (all in this tile) whose positions fall in this program's
+        # key range: normed, rotated and stored with their values before any key is read.
+        KEYS: tl.constexpr = triton.next_power_of_2(BLOCK_Q)
+        kt = tl.arange(0, KEYS)  # first_tok is 0: one tile holds the whole step
+        key_pos = seq_len - q_len + kt
+        slots = tl.load(slot_mapping_ptr + q_start + kt, mask=kt < q_len, other=-1).to(tl.int64)
+        write = (kt < q_len) & (key_pos >= lo) & (key_pos < hi) & (slots >= 0)
+        kpos = tl.load(positions_ptr + q_start + kt, mask=write, other=0)
+        new_k = _norm_rope_rows(
+            k_new_ptr + (q_start + kt) * stride_knt + kv_head * stride_knh, write, k_w_ptr,
+            _angles(cos_ptr, kpos, write, stride_cos, HEAD_DIM, BLOCK_D),
+            _angles(sin_ptr, kpos, write, stride_sin, HEAD_DIM, BLOCK_D), eps, HEAD_DIM,
+            BLOCK_D, HAS_QK_NORM,
+        )  # [KEYS, BLOCK_D] fmt: skip
+        slots = tl.where(write, slots, 0)
+        page = slots // block_size
+        in_page = slots % block_size
+        ok = write[:, None] & d_ok[None, :]
+        k_dst = k_cache_ptr + page * stride_kb + in_page * stride_ks + kv_head * stride_kh
+        tl.store(k_dst[:, None] + offs_d[None, :], new_k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+        v_src = v_new_ptr + (q_start + kt) * stride_vnt + kv_head * stride_vnh
+        v_dst = v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh
+        new_v = tl.load(v_src[:, None] + offs_d[None, :], mask=ok)
+        tl.store(v_dst[:, None] + offs_d[None, :], new_v.to(v_cache_ptr.dtype.element_ty), mask=ok)
         tl.debug_barrier()
 
     # Tiles where every row sees every key skip the mask: with causal prefill and long cached
@@ -500,12 +547,14 @@ REDUCE_SPLITS_PER_PASS = (16, 64)
 DECODE_MERGE_MAX_SPLITS = 16
 DECODE_MERGE_MAX_TILE = 8192
 FUSE_DECODE_SPLIT_MERGE = True
-# A decode forward's q/k norm, RoPE and KV store run in the attention kernel
-# (`triton_rope_store_attention`) instead of a kernel of their own before it. False: the
-# separate kernel (A/B runs). H200, Qwen3-8B shapes (gpu_bench --ablate, BENCHMARKS.md run
-# XVI): decode step 4.26 -> 4.25 ms at batch 1, 4.91 -> 4.86 at batch 8. The separate kernel
-# cost 0.10 ms a batch-1 step, but its work now sits on the attention programs' path.
-DECODE_ROPE_IN_ATTENTION = True
+# Forwards of at most this many query rows a sequence run their q/k norm, RoPE and KV store in
+# the attention kernel (`triton_rope_store_attention`) instead of a kernel of their own before
+# it, where one tile holds each sequence's rows; 0: never (A/B runs). 1, decode only, as
+# measured on the H200 (Qwen3-8B shapes, gpu_bench --ablate, BENCHMARKS.md run XVI): decode
+# step 4.26 -> 4.25 ms at batch 1, 4.91 -> 4.86 at batch 8 (the separate kernel cost 0.10 ms a
+# batch-1 step, but its work now sits on the attention programs' path). 16 would take verify
+# and drafter blocks too (CPU-tested; not yet measured, so not the default).
+ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -536,8 +585,8 @@ def _num_warps(block_m: int, block_d: int) -> int:
 
 
 class StepKV(NamedTuple):
-    """A decode step's raw keys and values and what norms, rotates and stores them (and norms
-    and rotates the raw queries): `triton_paged_attention`'s `step_kv`."""
+    """A step's raw keys and values and what norms, rotates and stores them (and norms and
+    rotates the raw queries): `triton_paged_attention`'s `step_kv`."""
 
     key: torch.Tensor  # [num_tokens, num_kv_heads, head_dim], before norm and RoPE
     value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
@@ -572,10 +621,10 @@ def triton_paged_attention(
     launch merge its splits itself (see the module doc): an int32 buffer of at least
     num_seqs * num_kv_heads zeros that only this function touches and leaves zeroed.
 
-    With `step_kv` (one query row a sequence, one dtype for queries, keys and norm weights),
-    the query is taken before its q norm and RoPE and the step's keys and values are not in
-    the cache yet: the kernel norms and rotates both as `triton_qk_norm_rope_store` does and
-    stores the keys and values first (`triton_rope_store_attention`'s decode path)."""
+    With `step_kv` (each sequence's query rows in one tile, one dtype for queries, keys and
+    norm weights), the query is taken before its q norm and RoPE and the step's keys and values
+    are not in the cache yet: the kernel norms and rotates both as `triton_qk_norm_rope_store`
+    does and stores the keys and values first (`triton_rope_store_attention`'s fused path)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -598,6 +647,9 @@ def triton_paged_attention(
         raise ValueError(f"block_m {block_m} cannot hold a GQA group of {group}")
     block_q = block_m // group
     tiles_per_seq = -(-meta.max_query_len // block_q)
+    if step_kv is not None and tiles_per_seq != 1:
+        raise ValueError(f"step_kv needs each sequence's {meta.max_query_len} query rows in one "
+                         f"tile of {block_q}")  # fmt: skip
     if num_splits is None:
         num_splits = (
             choose_num_splits(
@@ -695,6 +747,7 @@ def triton_paged_attention(
         MERGE=merge,
         MERGE_SPLITS=DECODE_MERGE_MAX_SPLITS if merge else 1,
         ROPE=step_kv is not None,
+        ONE_ROW=meta.max_query_len == 1,
         HAS_QK_NORM=kv.q_norm_weight is not None,
         INPUT_PRECISION=precision,
         PDL=pdl,
@@ -728,8 +781,6 @@ def _check_step_kv(
     meta: AttentionMetadata,
     kv: StepKV,
 ) -> None:
-    if meta.max_query_len != 1:
-        raise ValueError(f"step_kv is for decode launches, not {meta.max_query_len} query rows")
     num_tokens, _, head_dim = query.shape
     expected = (num_tokens, key_cache.shape[2], head_dim)
     if kv.key.shape != expected or kv.value.shape != expected:
@@ -756,9 +807,11 @@ def rope_fits_attention(
 ) -> bool:
     """Whether the attention kernel can norm, rotate and store this step itself (`step_kv`)."""
     weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
+    rows, group = meta.max_query_len, query.shape[1] // max(key.shape[1], 1)
     return (
-        DECODE_ROPE_IN_ATTENTION
-        and meta.max_query_len == 1
+        0 < rows <= ROPE_IN_ATTENTION_MAX_QUERY_LEN
+        and group >= 1
+        and _block_m(rows, group) // group >= rows  # one tile a sequence
         and query.shape[-1] % 2 == 0
         and (q_norm_weight is None) == (k_norm_weight is None)
         and all(t.dtype == query.dtype for t in (key, value, *weights))
@@ -787,7 +840,7 @@ def triton_rope_store_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`triton_qk_norm_rope_store` then `triton_paged_attention` on the rotated queries: the
     `rope_store_attention_torch` contract. A decode forward does both in the attention kernel
-    (DECODE_ROPE_IN_ATTENTION), one launch a layer less."""
+    (ROPE_IN_ATTENTION_MAX_QUERY_LEN), one launch a layer less."""
     if rope_fits_attention(query, key, value, q_norm_weight, k_norm_weight, meta):
         step_kv = StepKV(key, value, positions, cos_cache, sin_cache, q_norm_weight,
                          k_norm_weight, eps, meta.slot_mapping)  # fmt: skip
