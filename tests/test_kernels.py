@@ -1273,10 +1273,16 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, drafter
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "dflash"])
+@pytest.mark.parametrize(
+    ("speculative", "rope_rows"),
+    [(False, None), (True, None), (True, 16)],
+    ids=["plain", "dflash", "dflash-rope-in-block-attention"],
+)
 def test_engine_greedy_same_with_triton_kernels(
-    tiny_pair, rng, monkeypatch, speculative: bool
+    tiny_pair, rng, monkeypatch, speculative: bool, rope_rows: int | None
 ) -> None:
+    """Greedy outputs with every Triton kernel equal the torch path's; with rope_rows, verify
+    and drafter blocks also norm, rotate and store their step in the attention kernel."""
     target, drafter = tiny_pair
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 13)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -1303,8 +1309,12 @@ def test_engine_greedy_same_with_triton_kernels(
 
     expected = generate("torch")
     calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
-    if not speculative:  # (DFlash steps verify: no decode forward)
-        # Decode forwards norm, rotate and store the step's q/k/v in the attention kernel.
+    if rope_rows is not None:
+        monkeypatch.setattr(triton_attention, "ROPE_IN_ATTENTION_MAX_QUERY_LEN", rope_rows)
+        del calls["rope"]  # every launch here (chunks of <= 8 rows) fits the attention kernel
+    if not speculative or rope_rows is not None:  # (DFlash steps verify: no decode forward)
+        # Decode forwards (and blocks, with rope_rows) norm, rotate and store the step's
+        # q/k/v in the attention kernel.
         calls["rope in attention"] = 0
     if speculative:
         calls["rope keys only"] = 0  # the drafter's context K (project_kv)
