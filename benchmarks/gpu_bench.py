@@ -283,6 +283,7 @@ def ablate(
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
+    merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
@@ -300,7 +301,7 @@ def ablate(
         trigger = [f.removeprefix("trigger-") for f in flags if f.startswith("trigger-")]
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
-        triton_attention.FUSE_DECODE_SPLIT_MERGE = "nomerge" not in flags
+        triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
             0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
         )
@@ -320,7 +321,7 @@ def ablate(
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
-    triton_attention.FUSE_DECODE_SPLIT_MERGE = True
+    triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():
         if value is None:

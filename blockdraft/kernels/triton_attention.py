@@ -337,39 +337,25 @@ def _paged_attention_kernel(
         lo = lo + split * tiles_per_split * BLOCK_N
         hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
 
-    if ROPE and ONE_ROW:
-        # The step's key sits at seq_len - 1: the program whose key range holds it writes it
-        # (and its value) to the cache, then reads it back with the others after the barrier.
-        slot = tl.load(slot_mapping_ptr + q_start).to(tl.int64)
-        if (seq_len - 1 >= lo) & (seq_len - 1 < hi) & (slot >= 0):
-            new_k = _norm_rope_rows(
-                k_new_ptr + q_start * stride_knt + kv_head * stride_knh + one, one == 0,
-                k_w_ptr, cos, sin, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM,
-            )  # [1, BLOCK_D] fmt: skip
-            page = slot // block_size
-            in_page = slot % block_size
-            cols = one[:, None] + offs_d[None, :]  # [1, BLOCK_D]
-            k_dst = k_cache_ptr + page * stride_kb + in_page * stride_ks + kv_head * stride_kh
-            tl.store(k_dst + cols, new_k.to(k_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
-            v_src = v_new_ptr + q_start * stride_vnt + kv_head * stride_vnh
-            v_dst = v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh
-            new_v = tl.load(v_src + cols, mask=d_ok[None, :])
-            tl.store(v_dst + cols, new_v.to(v_cache_ptr.dtype.element_ty), mask=d_ok[None, :])
-        tl.debug_barrier()
-    if ROPE and not ONE_ROW:
-        # The sequence's step keys (all in this tile) whose positions fall in this program's
-        # key range: normed, rotated and stored with their values before any key is read.
-        KEYS: tl.constexpr = triton.next_power_of_2(BLOCK_Q)
-        kt = tl.arange(0, KEYS)  # first_tok is 0: one tile holds the whole step
+    if ROPE:
+        # The sequence's step keys (all in this tile: first_tok is 0; decode has one, at
+        # seq_len - 1) whose positions fall in this program's key range: normed, rotated and
+        # stored with their values before any key is read (the barrier).
+        KEYS: tl.constexpr = 1 if ONE_ROW else triton.next_power_of_2(BLOCK_Q)
+        kt = tl.arange(0, KEYS)
         key_pos = seq_len - q_len + kt
         slots = tl.load(slot_mapping_ptr + q_start + kt, mask=kt < q_len, other=-1).to(tl.int64)
         write = (kt < q_len) & (key_pos >= lo) & (key_pos < hi) & (slots >= 0)
-        kpos = tl.load(positions_ptr + q_start + kt, mask=write, other=0)
+        if ONE_ROW:  # the query's own angles
+            k_cos = cos
+            k_sin = sin
+        else:
+            kpos = tl.load(positions_ptr + q_start + kt, mask=write, other=0)
+            k_cos = _angles(cos_ptr, kpos, write, stride_cos, HEAD_DIM, BLOCK_D)
+            k_sin = _angles(sin_ptr, kpos, write, stride_sin, HEAD_DIM, BLOCK_D)
         new_k = _norm_rope_rows(
             k_new_ptr + (q_start + kt) * stride_knt + kv_head * stride_knh, write, k_w_ptr,
-            _angles(cos_ptr, kpos, write, stride_cos, HEAD_DIM, BLOCK_D),
-            _angles(sin_ptr, kpos, write, stride_sin, HEAD_DIM, BLOCK_D), eps, HEAD_DIM,
-            BLOCK_D, HAS_QK_NORM,
+            k_cos, k_sin, eps, HEAD_DIM, BLOCK_D, HAS_QK_NORM,
         )  # [KEYS, BLOCK_D] fmt: skip
         slots = tl.where(write, slots, 0)
         page = slots // block_size
@@ -615,7 +601,7 @@ def triton_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_counters: torch.Tensor | None = None,  # [n] int32 zeros, kept between launches
-    step_kv: StepKV | None = None,  # decode only: query is raw, see below
+    step_kv: StepKV | None = None,  # query is raw, the step not yet stored: see below
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Paged attention (the `paged_attention` contract). `split_counters` lets a split decode
     launch merge its splits itself (see the module doc): an int32 buffer of at least
@@ -641,7 +627,7 @@ def triton_paged_attention(
         raise ValueError("key_cache, value_cache and out need a contiguous head_dim")
 
     if step_kv is not None:
-        _check_step_kv(query, key_cache, meta, step_kv)
+        _check_step_kv(query, key_cache, step_kv)
     block_m = block_m or _block_m(meta.max_query_len, group)
     if block_m < group:
         raise ValueError(f"block_m {block_m} cannot hold a GQA group of {group}")
@@ -775,10 +761,28 @@ def triton_paged_attention(
     return out
 
 
+def _step_kv_problem(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+) -> str | None:
+    """What keeps the attention kernel from norming, rotating and storing this step itself
+    (`step_kv`), or None."""
+    if query.shape[-1] % 2 or any(t.stride(-1) != 1 for t in (query, key, value)):
+        return "RoPE needs an even, contiguous head_dim"
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        return "q and k norms come together"
+    weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
+    if any(t.dtype != query.dtype for t in (key, value, *weights)):
+        return "step_kv needs one dtype for queries, keys, values and norm weights"
+    return None
+
+
 def _check_step_kv(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    meta: AttentionMetadata,
     kv: StepKV,
 ) -> None:
     num_tokens, _, head_dim = query.shape
@@ -786,13 +790,9 @@ def _check_step_kv(
     if kv.key.shape != expected or kv.value.shape != expected:
         raise ValueError(f"step keys {tuple(kv.key.shape)} / values {tuple(kv.value.shape)} "
                          f"are not {expected}")  # fmt: skip
-    if head_dim % 2 or kv.key.stride(2) != 1 or kv.value.stride(2) != 1:
-        raise ValueError("RoPE needs an even, contiguous head_dim")
-    if (kv.q_norm_weight is None) != (kv.k_norm_weight is None):
-        raise ValueError("q and k norms come together")
-    weights = [w for w in (kv.q_norm_weight, kv.k_norm_weight) if w is not None]
-    if any(t.dtype != query.dtype for t in (kv.key, kv.value, *weights)):
-        raise ValueError("step_kv needs one dtype for queries, keys, values and norm weights")
+    problem = _step_kv_problem(query, kv.key, kv.value, kv.q_norm_weight, kv.k_norm_weight)
+    if problem:
+        raise ValueError(problem)
     if kv.slot_mapping.shape != (num_tokens,) or kv.positions.shape != (num_tokens,):
         raise ValueError("slot_mapping and positions need one entry per token")
 
@@ -806,16 +806,12 @@ def rope_fits_attention(
     meta: AttentionMetadata,
 ) -> bool:
     """Whether the attention kernel can norm, rotate and store this step itself (`step_kv`)."""
-    weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
     rows, group = meta.max_query_len, query.shape[1] // max(key.shape[1], 1)
     return (
         0 < rows <= ROPE_IN_ATTENTION_MAX_QUERY_LEN
         and group >= 1
         and _block_m(rows, group) // group >= rows  # one tile a sequence
-        and query.shape[-1] % 2 == 0
-        and (q_norm_weight is None) == (k_norm_weight is None)
-        and all(t.dtype == query.dtype for t in (key, value, *weights))
-        and all(t.stride(-1) == 1 for t in (query, key, value))
+        and _step_kv_problem(query, key, value, q_norm_weight, k_norm_weight) is None
     )
 
 
