@@ -216,7 +216,9 @@ def mean_step_ms(
 # decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
 # "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
 # attention kernel, "rope16" = in it for verify and drafter blocks too
-# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16);
+# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "nokvprefetch" = PDL-launched
+# decode attention reads its keys without first prefetching them to L2
+# (triton_attention.DECODE_KV_PREFETCH off);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -249,6 +251,10 @@ ABLATION = [
      "async roperow"),
     ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention", 16, True, True, True,
      "rope16"),
+    ("AR", "decode attention without its keys' L2 prefetch", 16, True, True, True,
+     "async nokvprefetch"),
+    ("AR", "PDL, L2 prefetch 4 MiB, GEMMs trigger after loads", 16, True, True, True,
+     "async prefetch4"),
     ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
     ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
@@ -284,6 +290,7 @@ def ablate(
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
+    kv_prefetch_default = triton_attention.DECODE_KV_PREFETCH
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
@@ -302,6 +309,7 @@ def ablate(
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
+        triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default and "nokvprefetch" not in flags
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
             0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
         )
@@ -322,6 +330,7 @@ def ablate(
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
+    triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():
         if value is None:
@@ -504,9 +513,17 @@ def main() -> None:
         help="launch each plain decode step before reading the last one back (async_decode; "
         "default: the engine's, on for CUDA; runs before 2026-12-03 VIII-b had it off)",
     )
+    p.add_argument(
+        "--decode-kv-prefetch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="PDL-launched decode attention prefetches its cached keys and values to L2 before "
+        "waiting on the q/k/v GEMM (triton_attention.DECODE_KV_PREFETCH)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
+    from blockdraft.kernels import triton_attention
     from blockdraft.models import decoder
 
     if args.skinny_rows is not None:
@@ -521,6 +538,8 @@ def main() -> None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     if args.silu_mul_prologue_rows is not None:
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
+    if args.decode_kv_prefetch is not None:
+        triton_attention.DECODE_KV_PREFETCH = args.decode_kv_prefetch
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
@@ -529,6 +548,7 @@ def main() -> None:
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
     results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
+    results["decode_kv_prefetch"] = triton_attention.DECODE_KV_PREFETCH
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 

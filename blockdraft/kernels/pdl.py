@@ -169,6 +169,26 @@ def pdl_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(
+    ptrs,  # tensor of pointers, 16-byte aligned
+    NBYTES: tl.constexpr,  # a multiple of 16
+):
+    """One bulk L2 prefetch (sm_90 `cp.async.bulk.prefetch.L2`) of NBYTES at each pointer of
+    `ptrs` (a tensor larger than the program's threads issues several per thread, a smaller one
+    is replicated). A hint only: no data moves to registers and L2 stays coherent, so any
+    addresses are safe, including ones a later kernel writes."""
+    addr = ptrs.to(tl.pointer_type(tl.int8))
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [addr, tl.full(ptrs.shape, NBYTES, tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
 def prefetch_rows_l2(
     base_ptr,  # W's element at (row 0, this split's first column)
     row0,  # first row of this program
