@@ -555,13 +555,17 @@ FUSE_DECODE_SPLIT_MERGE = True
 # it, where one tile holds each sequence's rows; 0: never (A/B runs). 1, decode only, as
 # measured on the H200 (Qwen3-8B shapes, gpu_bench --ablate, BENCHMARKS.md run XVI): decode
 # step 4.26 -> 4.25 ms at batch 1, 4.91 -> 4.86 at batch 8 (the separate kernel cost 0.10 ms a
-# batch-1 step, but its work now sits on the attention programs' path). 16 would take verify
-# and drafter blocks too (CPU-tested; not yet measured, so not the default).
+# batch-1 step, but its work now sits on the attention programs' path). 16 takes verify and
+# drafter blocks too, measured in run XVII: DFlash N = 15 step 6.06 / 6.06 ms against 6.06 /
+# 6.07 at batch 1, 7.96 / 7.94 against 7.60 / 7.73 at batch 8, so not the default.
 ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
-# A PDL-launched decode attention (one query row a sequence) prefetches the cached keys and
-# values of its key range into L2 before `gdc_wait`, while the q/k/v GEMM it follows drains:
-# after the wait its key tiles come from L2 rather than HBM. Needs 16-byte aligned cache rows.
-DECODE_KV_PREFETCH = True
+# With it, a PDL-launched decode attention (one query row a sequence) prefetches the cached
+# keys and values of its key range into L2 before `gdc_wait`, while the q/k/v GEMM it follows
+# drains, so that its key tiles come from L2 after the wait (16-byte aligned cache rows only).
+# Measured on the H200 (gpu_bench --ablate, Qwen3-8B shapes, two A/Bs of 20 steps): decode
+# step 4.26 / 4.27 ms with it, 4.24 / 4.22 without (batch 8: 4.94 / 4.94 against 4.86 / 4.86),
+# so off: the step's HBM is the GEMM's, and the attention's reads were never the wait.
+DECODE_KV_PREFETCH = False
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
