@@ -218,7 +218,11 @@ def mean_step_ms(
 # attention kernel, "rope16" = in it for verify and drafter blocks too
 # (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "nokvprefetch" = PDL-launched
 # decode attention reads its keys without first prefetching them to L2
-# (triton_attention.DECODE_KV_PREFETCH off);
+# (triton_attention.DECODE_KV_PREFETCH off); "earlyattn" = where PDL is on in multi-row
+# forwards, their attention lets its successor launch at its start, not after its key walk
+# (triton_attention.MULTI_ROW_LATE_TRIGGER off; runs before 2026-12-04 had it so); "pdl16" =
+# PDL in forwards of at most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode
+# forwards only);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -244,7 +248,7 @@ ABLATION = [
     ("AR", "PDL off", 16, True, True, True, "async nopdl"),
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
-    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
+    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off earlyattn"),
     ("AR", "split-K decode attention merged by a second kernel", 16, True, True, True,
      "async nomerge"),
     ("AR", "q/k norm + RoPE + KV store in a kernel before attention", 16, True, True, True,
@@ -260,9 +264,11 @@ ABLATION = [
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
      "async trigger-start prefetch8"),
     ("DFlash", "PDL on every launch, GEMMs trigger at start", 16, True, True, True,
-     "pdl trigger-start"),
+     "pdl trigger-start earlyattn"),
     ("DFlash", "PDL on every launch, GEMMs trigger after loads", 16, True, True, True,
-     "pdl trigger-end"),
+     "pdl trigger-end earlyattn"),
+    ("DFlash", "PDL in forwards of <= 16 query rows, attention triggers after its key walk",
+     16, True, True, True, "pdl16"),
     ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
@@ -291,6 +297,8 @@ def ablate(
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
     kv_prefetch_default = triton_attention.DECODE_KV_PREFETCH
+    late_trigger_default = triton_attention.MULTI_ROW_LATE_TRIGGER
+    pdl_rows_default = pdl.PDL_MAX_QUERY_LEN
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
@@ -310,6 +318,8 @@ def ablate(
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
         triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default and "nokvprefetch" not in flags
+        triton_attention.MULTI_ROW_LATE_TRIGGER = late_trigger_default and "earlyattn" not in flags
+        pdl.PDL_MAX_QUERY_LEN = 16 if "pdl16" in flags else pdl_rows_default
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
             0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
         )
@@ -331,6 +341,8 @@ def ablate(
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
     triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default
+    triton_attention.MULTI_ROW_LATE_TRIGGER = late_trigger_default
+    pdl.PDL_MAX_QUERY_LEN = pdl_rows_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():
         if value is None:
@@ -520,10 +532,17 @@ def main() -> None:
         help="PDL-launched decode attention prefetches its cached keys and values to L2 before "
         "waiting on the q/k/v GEMM (triton_attention.DECODE_KV_PREFETCH)",
     )
+    p.add_argument(
+        "--pdl-max-query-len",
+        type=int,
+        default=None,
+        help="PDL (where BLOCKDRAFT_PDL is unset) in forwards of at most this many query rows "
+        "a request (pdl.PDL_MAX_QUERY_LEN; 1: decode forwards only)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
-    from blockdraft.kernels import triton_attention
+    from blockdraft.kernels import pdl, triton_attention
     from blockdraft.models import decoder
 
     if args.skinny_rows is not None:
@@ -538,6 +557,8 @@ def main() -> None:
         decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     if args.silu_mul_prologue_rows is not None:
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
+    if args.pdl_max_query_len is not None:
+        pdl.PDL_MAX_QUERY_LEN = args.pdl_max_query_len
     if args.decode_kv_prefetch is not None:
         triton_attention.DECODE_KV_PREFETCH = args.decode_kv_prefetch
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
@@ -549,6 +570,7 @@ def main() -> None:
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
     results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     results["decode_kv_prefetch"] = triton_attention.DECODE_KV_PREFETCH
+    results["pdl_max_query_len"] = pdl.PDL_MAX_QUERY_LEN
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 

@@ -71,6 +71,12 @@ def test_policy_decode_forwards_only(monkeypatch) -> None:
         monkeypatch.setenv(pdl.ENV_VAR, "1")
         assert pdl.pdl_enabled(cuda)
     assert pdl.pdl_enabled(cuda)
+    monkeypatch.delenv(pdl.ENV_VAR)
+    monkeypatch.setattr(pdl, "PDL_MAX_QUERY_LEN", 16)  # the policy's row limit, raised
+    with forward_context(_metadata(16)):
+        assert pdl.pdl_enabled(cuda)
+    with forward_context(_metadata(17)):  # a prefill chunk
+        assert not pdl.pdl_enabled(cuda)
     monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: False)  # pre-Hopper / old Triton
     assert not pdl.pdl_enabled(cuda)
 
@@ -164,26 +170,37 @@ variants = {
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
                              CAUSAL=True, USE_WINDOW=False, SPLIT=True, MERGE=False,
                              MERGE_SPLITS=1, ROPE=False, ONE_ROW=False, HAS_QK_NORM=False,
-                             INPUT_PRECISION="tf32", PREFETCH_KV=False),
+                             INPUT_PRECISION="tf32", PREFETCH_KV=False,
+                             LATE_TRIGGER=False),
                         {}),
     "attention verify + rope": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, GROUP=4, CAUSAL=True,
              USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=True,
-             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False),
+             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
+             LATE_TRIGGER=False),
         {"num_warps": 4}),
     "attention split, decode merge + rope": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
              USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
-             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False),
+             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
+             LATE_TRIGGER=False),
         {"num_warps": 2}),
     "attention decode merge + rope, kv prefetch": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
              USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
-             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=True),
+             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=True,
+             LATE_TRIGGER=False),
         {"num_warps": 2}),
+    "attention verify, late trigger": (
+        _paged_attention_kernel,
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, GROUP=4, CAUSAL=True,
+             USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=False,
+             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
+             LATE_TRIGGER=True),
+        {"num_warps": 4}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),
     "rope + kv store": (_qk_norm_rope_kernel,

@@ -43,8 +43,10 @@ from blockdraft.kernels.forward_context import current_attention_metadata
 ENV_VAR = "BLOCKDRAFT_PDL"
 PREFETCH_ENV_VAR = "BLOCKDRAFT_PDL_PREFETCH_MIB"
 TRIGGER_ENV_VAR = "BLOCKDRAFT_PDL_GEMM_TRIGGER"
-# Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in decode forwards.
+# Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in forwards whose requests
+# have at most PDL_MAX_QUERY_LEN query rows each (1: decode forwards only).
 PDL_ON_HOPPER = True
+PDL_MAX_QUERY_LEN = 1
 # L2 bytes the first wave of a skinny GEMM may prefetch (BLOCKDRAFT_PDL_PREFETCH_MIB): off, as
 # measured; a budget should stay inside the H100/H200's 50 MB, so that prefetched lines are
 # still there when the main loop reads them.
@@ -82,7 +84,7 @@ def pdl_enabled(device: torch.device) -> bool:
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice in ("", "auto"):
         meta = current_attention_metadata()
-        wanted = PDL_ON_HOPPER and meta is not None and meta.max_query_len == 1
+        wanted = PDL_ON_HOPPER and meta is not None and meta.max_query_len <= PDL_MAX_QUERY_LEN
     else:
         wanted = choice not in ("0", "off", "false")
     if device.type != "cuda" or not wanted:

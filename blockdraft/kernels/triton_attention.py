@@ -272,11 +272,12 @@ def _paged_attention_kernel(
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
     PREFETCH_KV: tl.constexpr,  # with PDL: prefetch the program's cached keys/values to L2 first
+    LATE_TRIGGER: tl.constexpr,  # with PDL: let the next kernel launch after the key walk
 ):
     # Under PDL this program may start while the previous kernel (the q/k/v GEMM) still runs.
     # What it reads before `gdc_wait` was written before the forward began (the metadata, the
     # block table, the cached keys of earlier steps), never by the kernels still running.
-    if PDL:
+    if PDL and not LATE_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -429,6 +430,10 @@ def _paged_attention_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
         )  # fmt: skip
 
+    if PDL and LATE_TRIGGER:
+        # The next kernel's programs, launched now, wait in SM slots: no earlier, so that they
+        # never hold slots this grid's later programs still need.
+        tl.extra.cuda.gdc_launch_dependents()
     store_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         part = (row * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -566,6 +571,11 @@ ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
 # step 4.26 / 4.27 ms with it, 4.24 / 4.22 without (batch 8: 4.94 / 4.94 against 4.86 / 4.86),
 # so off: the step's HBM is the GEMM's, and the attention's reads were never the wait.
 DECODE_KV_PREFETCH = False
+# Where PDL is on in forwards of several query rows a sequence (verify and drafter blocks under
+# BLOCKDRAFT_PDL=1; off by the default policy), the attention lets its successor launch only
+# after each program's key walk, not at its start: a larger grid than decode's, whose later
+# programs must not find their SM slots taken by the successor's waiting ones.
+MULTI_ROW_LATE_TRIGGER = True
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -770,6 +780,7 @@ def triton_paged_attention(
         INPUT_PRECISION=precision,
         PDL=pdl,
         PREFETCH_KV=prefetch_kv,
+        LATE_TRIGGER=pdl and meta.max_query_len > 1 and MULTI_ROW_LATE_TRIGGER,
         num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
