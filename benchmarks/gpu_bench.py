@@ -216,13 +216,8 @@ def mean_step_ms(
 # decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
 # "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
 # attention kernel, "rope16" = in it for verify and drafter blocks too
-# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "nokvprefetch" = PDL-launched
-# decode attention reads its keys without first prefetching them to L2
-# (triton_attention.DECODE_KV_PREFETCH off); "earlyattn" = where PDL is on in multi-row
-# forwards, their attention lets its successor launch at its start, not after its key walk
-# (triton_attention.MULTI_ROW_LATE_TRIGGER off; runs before 2026-12-04 had it so); "pdl16" =
-# PDL in forwards of at most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode
-# forwards only);
+# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "pdl16" = PDL in forwards of at
+# most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode forwards only);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
@@ -248,15 +243,13 @@ ABLATION = [
     ("AR", "PDL off", 16, True, True, True, "async nopdl"),
     ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
     ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
-    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off earlyattn"),
+    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
     ("AR", "split-K decode attention merged by a second kernel", 16, True, True, True,
      "async nomerge"),
     ("AR", "q/k norm + RoPE + KV store in a kernel before attention", 16, True, True, True,
      "async roperow"),
     ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention", 16, True, True, True,
      "rope16"),
-    ("AR", "decode attention without its keys' L2 prefetch", 16, True, True, True,
-     "async nokvprefetch"),
     ("AR", "PDL, L2 prefetch 4 MiB, GEMMs trigger after loads", 16, True, True, True,
      "async prefetch4"),
     ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
@@ -264,11 +257,10 @@ ABLATION = [
     ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
      "async trigger-start prefetch8"),
     ("DFlash", "PDL on every launch, GEMMs trigger at start", 16, True, True, True,
-     "pdl trigger-start earlyattn"),
+     "pdl trigger-start"),
     ("DFlash", "PDL on every launch, GEMMs trigger after loads", 16, True, True, True,
-     "pdl trigger-end earlyattn"),
-    ("DFlash", "PDL in forwards of <= 16 query rows, attention triggers after its key walk",
-     16, True, True, True, "pdl16"),
+     "pdl trigger-end"),
+    ("DFlash", "PDL in forwards of <= 16 query rows", 16, True, True, True, "pdl16"),
     ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
@@ -296,8 +288,6 @@ def ablate(
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
-    kv_prefetch_default = triton_attention.DECODE_KV_PREFETCH
-    late_trigger_default = triton_attention.MULTI_ROW_LATE_TRIGGER
     pdl_rows_default = pdl.PDL_MAX_QUERY_LEN
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
@@ -317,8 +307,6 @@ def ablate(
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
-        triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default and "nokvprefetch" not in flags
-        triton_attention.MULTI_ROW_LATE_TRIGGER = late_trigger_default and "earlyattn" not in flags
         pdl.PDL_MAX_QUERY_LEN = 16 if "pdl16" in flags else pdl_rows_default
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
             0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
@@ -340,8 +328,6 @@ def ablate(
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
-    triton_attention.DECODE_KV_PREFETCH = kv_prefetch_default
-    triton_attention.MULTI_ROW_LATE_TRIGGER = late_trigger_default
     pdl.PDL_MAX_QUERY_LEN = pdl_rows_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():
@@ -526,13 +512,6 @@ def main() -> None:
         "default: the engine's, on for CUDA; runs before 2026-12-03 VIII-b had it off)",
     )
     p.add_argument(
-        "--decode-kv-prefetch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="PDL-launched decode attention prefetches its cached keys and values to L2 before "
-        "waiting on the q/k/v GEMM (triton_attention.DECODE_KV_PREFETCH)",
-    )
-    p.add_argument(
         "--pdl-max-query-len",
         type=int,
         default=None,
@@ -542,7 +521,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
-    from blockdraft.kernels import pdl, triton_attention
+    from blockdraft.kernels import pdl
     from blockdraft.models import decoder
 
     if args.skinny_rows is not None:
@@ -559,8 +538,6 @@ def main() -> None:
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
     if args.pdl_max_query_len is not None:
         pdl.PDL_MAX_QUERY_LEN = args.pdl_max_query_len
-    if args.decode_kv_prefetch is not None:
-        triton_attention.DECODE_KV_PREFETCH = args.decode_kv_prefetch
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
@@ -569,7 +546,6 @@ def main() -> None:
     results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
     results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
     results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
-    results["decode_kv_prefetch"] = triton_attention.DECODE_KV_PREFETCH
     results["pdl_max_query_len"] = pdl.PDL_MAX_QUERY_LEN
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()

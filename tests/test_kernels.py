@@ -298,17 +298,6 @@ def test_attention_decode_merge_only_for_decode_rows(rng) -> None:
     assert not counters.any()
 
 
-def test_kv_prefetch_needs_16_byte_cache_rows() -> None:
-    """The decode attention's bulk L2 prefetch runs only where each (slot, kv head) row of both
-    caches starts on 16 bytes: bf16 rows of 128 or 8 elements do, 4 elements (8 bytes), or a
-    cache view starting one element in, do not."""
-    aligned = triton_attention._rows_16b_aligned
-    assert aligned(torch.empty(3, 4, 2, 128, dtype=torch.bfloat16))
-    assert aligned(torch.empty(3, 4, 2, 8, dtype=torch.bfloat16))
-    assert not aligned(torch.empty(3, 4, 2, 4, dtype=torch.bfloat16))
-    assert not aligned(torch.empty(3 * 4 * 2 * 8 + 1, dtype=torch.bfloat16)[1:].view(3, 4, 2, 8))
-
-
 def rope_attention_case(
     rng: torch.Generator,
     starts: list[int],

@@ -170,37 +170,20 @@ variants = {
                         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
                              CAUSAL=True, USE_WINDOW=False, SPLIT=True, MERGE=False,
                              MERGE_SPLITS=1, ROPE=False, ONE_ROW=False, HAS_QK_NORM=False,
-                             INPUT_PRECISION="tf32", PREFETCH_KV=False,
-                             LATE_TRIGGER=False),
+                             INPUT_PRECISION="tf32"),
                         {}),
     "attention verify + rope": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, GROUP=4, CAUSAL=True,
              USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=True,
-             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
-             LATE_TRIGGER=False),
+             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32"),
         {"num_warps": 4}),
     "attention split, decode merge + rope": (
         _paged_attention_kernel,
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
              USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
-             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
-             LATE_TRIGGER=False),
+             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32"),
         {"num_warps": 2}),
-    "attention decode merge + rope, kv prefetch": (
-        _paged_attention_kernel,
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
-             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=True,
-             LATE_TRIGGER=False),
-        {"num_warps": 2}),
-    "attention verify, late trigger": (
-        _paged_attention_kernel,
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=False,
-             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32", PREFETCH_KV=False,
-             LATE_TRIGGER=True),
-        {"num_warps": 4}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),
     "rope + kv store": (_qk_norm_rope_kernel,
@@ -234,7 +217,5 @@ def test_pdl_kernels_compile_for_hopper() -> None:
             # where TRIGGER says.
             launches = 1 if "trigger" in name else 0
             assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == launches, (name, c)
-        elif "kv prefetch" in name:  # let the next kernel launch, prefetch K and V, wait
-            assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 2, (name, c)
         else:  # short kernels: let the next kernel launch, then wait
             assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 0, (name, c)

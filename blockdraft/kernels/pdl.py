@@ -44,7 +44,10 @@ ENV_VAR = "BLOCKDRAFT_PDL"
 PREFETCH_ENV_VAR = "BLOCKDRAFT_PDL_PREFETCH_MIB"
 TRIGGER_ENV_VAR = "BLOCKDRAFT_PDL_GEMM_TRIGGER"
 # Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in forwards whose requests
-# have at most PDL_MAX_QUERY_LEN query rows each (1: decode forwards only).
+# have at most PDL_MAX_QUERY_LEN query rows each. 1, decode forwards only: at 16 (verify and
+# drafter blocks too) the H200's DFlash N = 15 step read 6.08 / 6.07 ms against 6.02 / 6.01
+# (gpu_bench --ablate, row "pdl16", BENCHMARKS.md run XVII), with the attention letting its
+# successor launch after its key walk as well as at its start.
 PDL_ON_HOPPER = True
 PDL_MAX_QUERY_LEN = 1
 # L2 bytes the first wave of a skinny GEMM may prefetch (BLOCKDRAFT_PDL_PREFETCH_MIB): off, as
@@ -168,26 +171,6 @@ def pdl_start(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_l2(
-    ptrs,  # tensor of pointers, 16-byte aligned
-    NBYTES: tl.constexpr,  # a multiple of 16
-):
-    """One bulk L2 prefetch (sm_90 `cp.async.bulk.prefetch.L2`) of NBYTES at each pointer of
-    `ptrs` (a tensor larger than the program's threads issues several per thread, a smaller one
-    is replicated). A hint only: no data moves to registers and L2 stays coherent, so any
-    addresses are safe, including ones a later kernel writes."""
-    addr = ptrs.to(tl.pointer_type(tl.int8))
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r",
-        [addr, tl.full(ptrs.shape, NBYTES, tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.forward_context import AttentionMetadata
-from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start, prefetch_l2
+from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start
 from blockdraft.kernels.triton_rope import triton_qk_norm_rope_store
 
 _LOG2E = 1.4426950408889634
@@ -271,14 +271,8 @@ def _paged_attention_kernel(
     HAS_QK_NORM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
-    PREFETCH_KV: tl.constexpr,  # with PDL: prefetch the program's cached keys/values to L2 first
-    LATE_TRIGGER: tl.constexpr,  # with PDL: let the next kernel launch after the key walk
 ):
-    # Under PDL this program may start while the previous kernel (the q/k/v GEMM) still runs.
-    # What it reads before `gdc_wait` was written before the forward began (the metadata, the
-    # block table, the cached keys of earlier steps), never by the kernels still running.
-    if PDL and not LATE_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_start(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -304,39 +298,6 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     row = q_start + tok  # [BLOCK_M] flat token index
 
-    # Key range this tile can see at all; tiles wholly outside it are never loaded.
-    first_pos = seq_len - q_len + first_tok
-    last_pos = seq_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
-    lo = 0
-    hi = seq_len
-    if CAUSAL:
-        hi = last_pos + 1
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0)
-        if not CAUSAL:
-            hi = tl.minimum(hi, last_pos + window)
-    if SPLIT:
-        # Whole key tiles per split, so no split starts mid-tile; trailing splits may be empty
-        # and then report (max=-1e30, sum=0), which the merge weighs as nothing.
-        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
-        lo = lo + split * tiles_per_split * BLOCK_N
-        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
-
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
-    if PDL and PREFETCH_KV:
-        # The cache rows this program will read stream into L2 while the GEMM before it ends.
-        ROW_BYTES: tl.constexpr = HEAD_DIM * k_cache_ptr.dtype.element_ty.primitive_bitwidth // 8
-        for start in range(lo, hi, BLOCK_N):
-            key = tl.minimum(start + tl.arange(0, BLOCK_N), hi - 1)
-            page = tl.load(table + key // block_size).to(tl.int64)
-            in_page = key % block_size
-            prefetch_l2(k_head + page * stride_kb + in_page * stride_ks, ROW_BYTES)
-            prefetch_l2(v_head + page * stride_vb + in_page * stride_vs, ROW_BYTES)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
     if ROPE:
         if ONE_ROW:  # every row of the tile is the same token: one gather of its angles
             one = tl.zeros([1], dtype=tl.int64)
@@ -357,6 +318,24 @@ def _paged_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
+
+    # Key range this tile can see at all; tiles wholly outside it are never loaded.
+    first_pos = seq_len - q_len + first_tok
+    last_pos = seq_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+    lo = 0
+    hi = seq_len
+    if CAUSAL:
+        hi = last_pos + 1
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        if not CAUSAL:
+            hi = tl.minimum(hi, last_pos + window)
+    if SPLIT:
+        # Whole key tiles per split, so no split starts mid-tile; trailing splits may be empty
+        # and then report (max=-1e30, sum=0), which the merge weighs as nothing.
+        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        lo = lo + split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
 
     if ROPE:
         # The sequence's step keys (all in this tile: first_tok is 0; decode has one, at
@@ -411,6 +390,9 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
     for i in range(0, i0):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
@@ -430,10 +412,6 @@ def _paged_attention_kernel(
             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
         )  # fmt: skip
 
-    if PDL and LATE_TRIGGER:
-        # The next kernel's programs, launched now, wait in SM slots: no earlier, so that they
-        # never hold slots this grid's later programs still need.
-        tl.extra.cuda.gdc_launch_dependents()
     store_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         part = (row * num_heads + head) * num_splits + split  # [BLOCK_M]
@@ -564,18 +542,6 @@ FUSE_DECODE_SPLIT_MERGE = True
 # drafter blocks too, measured in run XVII: DFlash N = 15 step 6.06 / 6.06 ms against 6.06 /
 # 6.07 at batch 1, 7.96 / 7.94 against 7.60 / 7.73 at batch 8, so not the default.
 ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
-# With it, a PDL-launched decode attention (one query row a sequence) prefetches the cached
-# keys and values of its key range into L2 before `gdc_wait`, while the q/k/v GEMM it follows
-# drains, so that its key tiles come from L2 after the wait (16-byte aligned cache rows only).
-# Measured on the H200 (gpu_bench --ablate, Qwen3-8B shapes, two A/Bs of 20 steps): decode
-# step 4.26 / 4.27 ms with it, 4.24 / 4.22 without (batch 8: 4.94 / 4.94 against 4.86 / 4.86),
-# so off: the step's HBM is the GEMM's, and the attention's reads were never the wait.
-DECODE_KV_PREFETCH = False
-# Where PDL is on in forwards of several query rows a sequence (verify and drafter blocks under
-# BLOCKDRAFT_PDL=1; off by the default policy), the attention lets its successor launch only
-# after each program's key walk, not at its start: a larger grid than decode's, whose later
-# programs must not find their SM slots taken by the successor's waiting ones.
-MULTI_ROW_LATE_TRIGGER = True
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -708,13 +674,6 @@ def triton_paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs * tiles_per_seq, num_kv_heads, num_splits)
     pdl = pdl_enabled(query.device)
-    prefetch_kv = (
-        pdl
-        and DECODE_KV_PREFETCH
-        and meta.max_query_len == 1
-        and _rows_16b_aligned(key_cache)
-        and _rows_16b_aligned(value_cache)
-    )
     # Without step_kv the kernel never reads these: any tensors will do.
     kv = step_kv or StepKV(key_cache, value_cache, meta.seq_lens, out, out, None, None, 0.0,
                            meta.seq_lens)  # fmt: skip
@@ -779,8 +738,6 @@ def triton_paged_attention(
         HAS_QK_NORM=kv.q_norm_weight is not None,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        PREFETCH_KV=prefetch_kv,
-        LATE_TRIGGER=pdl and meta.max_query_len > 1 and MULTI_ROW_LATE_TRIGGER,
         num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
@@ -803,16 +760,6 @@ def triton_paged_attention(
             **launch_options(pdl),
         )
     return out
-
-
-def _rows_16b_aligned(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-) -> bool:
-    """Whether every (slot, kv head) row of the cache starts and ends on 16 bytes, as the bulk
-    L2 prefetch needs."""
-    size = cache.element_size()
-    strides = (cache.stride(0), cache.stride(1), cache.stride(2), cache.shape[3])
-    return cache.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in strides)
 
 
 def _step_kv_problem(
