@@ -216,9 +216,7 @@ def mean_step_ms(
 # decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
 # "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
 # attention kernel, "rope16" = in it for verify and drafter blocks too
-# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "lateload" = decode attention
-# loads its first cached key tile after waiting on the q/k/v GEMM and reads the step's key back
-# from the cache (triton_attention.DECODE_EARLY_KV off); "pdl16" = PDL in forwards of at
+# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "pdl16" = PDL in forwards of at
 # most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode forwards only);
 # "silu16" = the SiLU·mul prologue
 # up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
@@ -264,8 +262,6 @@ ABLATION = [
      "pdl trigger-end"),
     ("DFlash", "PDL in forwards of <= 16 query rows", 16, True, True, True, "pdl16"),
     ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
-    ("AR", "decode attention's first key tile loaded after the wait", 16, True, True, True,
-     "async lateload"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
 ]
 
@@ -292,7 +288,6 @@ def ablate(
     silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
-    early_kv_default = triton_attention.DECODE_EARLY_KV
     pdl_rows_default = pdl.PDL_MAX_QUERY_LEN
     env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
     env_default = {name: os.environ.get(name) for name in env_vars}
@@ -312,7 +307,6 @@ def ablate(
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
         decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
-        triton_attention.DECODE_EARLY_KV = early_kv_default and "lateload" not in flags
         pdl.PDL_MAX_QUERY_LEN = 16 if "pdl16" in flags else pdl_rows_default
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
             0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
@@ -334,7 +328,6 @@ def ablate(
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
     decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
-    triton_attention.DECODE_EARLY_KV = early_kv_default
     pdl.PDL_MAX_QUERY_LEN = pdl_rows_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
     for name, value in env_default.items():

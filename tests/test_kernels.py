@@ -335,23 +335,19 @@ def rope_attention_case(
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits", "query_lens", "causal",
-     "early_kv"),
+    ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits", "query_lens", "causal"),
     [
-        (4, 4, 16, True, 1, [1, 1, 1], True, True),  # decode
-        (4, 2, 24, False, 3, [1, 1, 1], True, True),
-        (6, 2, 16, True, 5, [1, 1, 1], True, True),
-        (8, 2, 16, True, 1, [1, 1, 1], True, True),
-        (4, 4, 16, True, 1, [1, 1, 1], True, False),  # decode, key walk after the wait
-        (6, 2, 16, True, 5, [1, 1, 1], True, False),
-        (4, 2, 16, True, 4, [4, 1, 3], True, True),  # verify blocks: step keys across splits
-        (6, 2, 24, True, 1, [5, 5, 5], True, True),
-        (4, 2, 16, True, 3, [4, 4, 4], False, True),  # drafter blocks (non-causal)
+        (4, 4, 16, True, 1, [1, 1, 1], True),  # decode
+        (4, 2, 24, False, 3, [1, 1, 1], True),
+        (6, 2, 16, True, 5, [1, 1, 1], True),
+        (8, 2, 16, True, 1, [1, 1, 1], True),
+        (4, 2, 16, True, 4, [4, 1, 3], True),  # verify blocks: step keys across splits
+        (6, 2, 24, True, 1, [5, 5, 5], True),
+        (4, 2, 16, True, 3, [4, 4, 4], False),  # drafter blocks (non-causal)
     ],
-)  # fmt: skip
+)
 def test_attention_norms_rotates_and_stores_the_step(
     rng,
-    monkeypatch,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -359,15 +355,12 @@ def test_attention_norms_rotates_and_stores_the_step(
     num_splits: int,
     query_lens: list[int],
     causal: bool,
-    early_kv: bool,
 ) -> None:
     """A launch with the step's raw q/k/v: the kernel norms and rotates the queries and keys
     (as the RoPE kernel), stores the keys and values at their slots (none for a PAD row) and
     attends over them; the output and both caches equal the twin's (RoPE + store, then
     attention), with and without split-K (a block's keys then span splits), with no RoPE
-    kernel launched. Decode launches attend to the stored step key from registers after a
-    first cached tile loaded early (DECODE_EARLY_KV), or read it back in their key walk."""
-    monkeypatch.setattr(triton_attention, "DECODE_EARLY_KV", early_kv)
+    kernel launched."""
     starts = [int(v) for v in torch.randint(5, 60, (3,), generator=rng)]
     args, cached = rope_attention_case(rng, starts, query_lens, num_heads, num_kv_heads,
                                        head_dim, qk_norm)  # fmt: skip

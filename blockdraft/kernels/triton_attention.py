@@ -40,92 +40,6 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_kv_tile(
-    start,  # first key position of the tile
-    hi,  # keys at or past hi are out of range
-    table,  # pointer to this sequence's block-table row
-    k_head,  # key cache pointer offset to this kv head
-    v_head,  # value cache pointer offset to this kv head
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    block_size,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every key of the tile is in range
-):  # ([BLOCK_D, BLOCK_N] keys, [BLOCK_N, BLOCK_D] values), zeros out of range
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    key_pos = start + offs_n  # [BLOCK_N]
-    key_ok = key_pos < hi
-    # Per-key page lookup: any block_size works and tiles need not align with pages.
-    if MASKED:
-        page = tl.load(table + key_pos // block_size, mask=key_ok, other=0).to(tl.int64)
-    else:
-        page = tl.load(table + key_pos // block_size).to(tl.int64)
-    in_page = (key_pos % block_size).to(tl.int64)
-    k_ptrs = k_head + (page * stride_kb + in_page * stride_ks)[None, :] + offs_d[:, None]
-    v_ptrs = v_head + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
-    # Unmasked loads where nothing can be out of range: full tiles of a full head_dim.
-    if MASKED:
-        k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
-    else:
-        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_kv(
-    acc,  # [BLOCK_M, BLOCK_D] f32 running output (unnormalised)
-    m_i,  # [BLOCK_M] f32 running max (log2 domain)
-    l_i,  # [BLOCK_M] f32 running sum of exponentials
-    q,  # [BLOCK_M, BLOCK_D]
-    q_pos,  # [BLOCK_M] int32 position of each row's query
-    k,  # [BLOCK_D, BLOCK_N] the tile's keys
-    v,  # [BLOCK_N, BLOCK_D] the tile's values
-    start,  # first key position of the tile
-    hi,  # keys at or past hi are out of range
-    window,
-    qk_scale,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    MASKED: tl.constexpr,  # False: every row sees every key of the tile, all in range
-    INPUT_PRECISION: tl.constexpr,
-):
-    s = tl.dot(q, k.to(q.dtype), input_precision=INPUT_PRECISION) * qk_scale
-    if MASKED:
-        # Rows past the sequence's queries are left unmasked: they stay finite and are never
-        # stored.
-        key_pos = start + tl.arange(0, BLOCK_N)
-        visible = (key_pos < hi)[None, :]
-        if CAUSAL:
-            visible = visible & (key_pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - key_pos[None, :] < window)
-            if not CAUSAL:
-                visible = visible & (key_pos[None, :] - q_pos[:, None] < window)
-        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(
-        p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION
-    )
-    return acc, m_new, l_i
-
-
-@triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, BLOCK_D] f32 running output (unnormalised)
     m_i,  # [BLOCK_M] f32 running max (log2 domain)
@@ -152,14 +66,53 @@ def _attend_tile(
     MASKED: tl.constexpr,  # False: every row sees every key of the tile, all in range
     INPUT_PRECISION: tl.constexpr,
 ):
-    k, v = _load_kv_tile(
-        start, hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-        block_size, HEAD_DIM, BLOCK_D, BLOCK_N, MASKED,
-    )  # fmt: skip
-    return _attend_kv(
-        acc, m_i, l_i, q, q_pos, k, v, start, hi, window, qk_scale, BLOCK_N, CAUSAL,
-        USE_WINDOW, MASKED, INPUT_PRECISION,
-    )  # fmt: skip
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    key_pos = start + offs_n  # [BLOCK_N]
+    key_ok = key_pos < hi
+    # Per-key page lookup: any block_size works and tiles need not align with pages.
+    if MASKED:
+        page = tl.load(table + key_pos // block_size, mask=key_ok, other=0).to(tl.int64)
+    else:
+        page = tl.load(table + key_pos // block_size).to(tl.int64)
+    in_page = (key_pos % block_size).to(tl.int64)
+    k_ptrs = k_head + (page * stride_kb + in_page * stride_ks)[None, :] + offs_d[:, None]
+    v_ptrs = v_head + (page * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :]
+    # Unmasked loads where nothing can be out of range: full tiles of a full head_dim.
+    if MASKED:
+        k = tl.load(k_ptrs, mask=key_ok[None, :] & d_ok[:, None], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    s = tl.dot(q, k.to(q.dtype), input_precision=INPUT_PRECISION) * qk_scale
+    if MASKED:
+        # Rows past the sequence's queries are left unmasked: they stay finite and are never
+        # stored.
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (key_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - key_pos[None, :] < window)
+            if not CAUSAL:
+                visible = visible & (key_pos[None, :] - q_pos[:, None] < window)
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    acc = acc * alpha[:, None] + tl.dot(
+        p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION
+    )
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -318,12 +271,8 @@ def _paged_attention_kernel(
     HAS_QK_NORM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
-    EARLY_KV: tl.constexpr,  # with ROPE and ONE_ROW: first key tile loaded before the wait
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        if not EARLY_KV:
-            tl.extra.cuda.gdc_wait()
+    pdl_start(PDL)
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -349,40 +298,6 @@ def _paged_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     row = q_start + tok  # [BLOCK_M] flat token index
 
-    # Key range this tile can see at all; tiles wholly outside it are never loaded.
-    first_pos = seq_len - q_len + first_tok
-    last_pos = seq_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
-    lo = 0
-    hi = seq_len
-    if CAUSAL:
-        hi = last_pos + 1
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0)
-        if not CAUSAL:
-            hi = tl.minimum(hi, last_pos + window)
-    if SPLIT:
-        # Whole key tiles per split, so no split starts mid-tile; trailing splits may be empty
-        # and then report (max=-1e30, sum=0), which the merge weighs as nothing.
-        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
-        lo = lo + split * tiles_per_split * BLOCK_N
-        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
-
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    k_head = k_cache_ptr + kv_head * stride_kh
-    v_head = v_cache_ptr + kv_head * stride_vh
-    walk_hi = hi
-    if EARLY_KV:
-        # The cached keys; the step's own comes last, from registers. A PAD row stores none:
-        # it reads whatever its slot holds, as the twin does.
-        stores = tl.load(slot_mapping_ptr + q_start) >= 0
-        walk_hi = tl.where(stores, tl.minimum(hi, seq_len - 1), hi)
-        k0, v0 = _load_kv_tile(
-            lo, walk_hi, table, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-            block_size, HEAD_DIM, BLOCK_D, BLOCK_N, True,
-        )  # fmt: skip
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-
     if ROPE:
         if ONE_ROW:  # every row of the tile is the same token: one gather of its angles
             one = tl.zeros([1], dtype=tl.int64)
@@ -403,6 +318,24 @@ def _paged_attention_kernel(
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_M, BLOCK_D]
+
+    # Key range this tile can see at all; tiles wholly outside it are never loaded.
+    first_pos = seq_len - q_len + first_tok
+    last_pos = seq_len - q_len + tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+    lo = 0
+    hi = seq_len
+    if CAUSAL:
+        hi = last_pos + 1
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        if not CAUSAL:
+            hi = tl.minimum(hi, last_pos + window)
+    if SPLIT:
+        # Whole key tiles per split, so no split starts mid-tile; trailing splits may be empty
+        # and then report (max=-1e30, sum=0), which the merge weighs as nothing.
+        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        lo = lo + split * tiles_per_split * BLOCK_N
+        hi = tl.minimum(hi, lo + tiles_per_split * BLOCK_N)
 
     if ROPE:
         # The sequence's step keys (all in this tile: first_tok is 0; decode has one, at
@@ -434,22 +367,21 @@ def _paged_attention_kernel(
         v_dst = v_cache_ptr + page * stride_vb + in_page * stride_vs + kv_head * stride_vh
         new_v = tl.load(v_src[:, None] + offs_d[None, :], mask=ok)
         tl.store(v_dst[:, None] + offs_d[None, :], new_v.to(v_cache_ptr.dtype.element_ty), mask=ok)
-        if not EARLY_KV:  # the walk below reads the stored keys back
-            tl.debug_barrier()
+        tl.debug_barrier()
 
     # Tiles where every row sees every key skip the mask: with causal prefill and long cached
     # contexts that is nearly all of them. Full tiles are tiles [lo + i0 * BLOCK_N,
     # lo + i1 * BLOCK_N); tiles before and after them (diagonal, window edge, ragged end)
     # are masked.
     full_lo = lo
-    full_hi = walk_hi
+    full_hi = hi
     if CAUSAL:
         full_hi = tl.minimum(full_hi, first_pos + 1)
     if USE_WINDOW:
         full_lo = tl.maximum(full_lo, last_pos - window + 1)
         if not CAUSAL:
             full_hi = tl.minimum(full_hi, first_pos + window)
-    num_tiles = tl.cdiv(walk_hi - lo, BLOCK_N)
+    num_tiles = tl.cdiv(hi - lo, BLOCK_N)
     i0 = tl.minimum(tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N), num_tiles)
     i1 = tl.maximum(tl.minimum(tl.maximum(full_hi - lo, 0) // BLOCK_N, num_tiles), i0)
 
@@ -458,45 +390,27 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    first = 0
-    if EARLY_KV:  # the preloaded first tile (masked: a decode row sees all it holds)
-        acc, m_i, l_i = _attend_kv(
-            acc, m_i, l_i, q, q_pos, k0, v0, lo, walk_hi, window, qk_scale, BLOCK_N, CAUSAL,
-            USE_WINDOW, True, INPUT_PRECISION,
-        )  # fmt: skip
-        first = 1
-    for i in range(first, i0):
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
+    for i in range(0, i0):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, walk_hi, table, k_head, v_head,
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
         )  # fmt: skip
-    for i in range(tl.maximum(i0, first), i1):
+    for i in range(i0, i1):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, walk_hi, table, k_head, v_head,
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, False, INPUT_PRECISION,
         )  # fmt: skip
-    for i in range(tl.maximum(i1, first), num_tiles):
+    for i in range(i1, num_tiles):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, walk_hi, table, k_head, v_head,
+            acc, m_i, l_i, q, q_pos, lo + i * BLOCK_N, hi, table, k_head, v_head,
             stride_kb, stride_ks, stride_vb, stride_vs, block_size, window, qk_scale,
             HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, USE_WINDOW, True, INPUT_PRECISION,
         )  # fmt: skip
-    if EARLY_KV:
-        # The step's own key and value, as the cache holds them, for the program that stored
-        # them (a query always sees its own position); -inf elsewhere adds nothing.
-        nk = new_k.to(k_cache_ptr.dtype.element_ty).to(q.dtype)  # [1, BLOCK_D]
-        s_new = tl.sum(q.to(tl.float32) * nk.to(tl.float32), axis=1) * qk_scale  # [BLOCK_M]
-        holds = tl.max(write.to(tl.int32), axis=0) > 0
-        s_new = tl.where(holds, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        p_new = tl.exp2(s_new - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + p_new
-        nv = new_v.to(v_cache_ptr.dtype.element_ty).to(q.dtype).to(tl.float32)  # [1, BLOCK_D]
-        acc = acc * alpha[:, None] + p_new.to(q.dtype).to(tl.float32)[:, None] * nv
-        m_i = m_new
 
     store_ok = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -628,12 +542,6 @@ FUSE_DECODE_SPLIT_MERGE = True
 # drafter blocks too, measured in run XVII: DFlash N = 15 step 6.06 / 6.06 ms against 6.06 /
 # 6.07 at batch 1, 7.96 / 7.94 against 7.60 / 7.73 at batch 8, so not the default.
 ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
-# A decode launch that does its step's RoPE (one query row a sequence, `step_kv`) loads its
-# first tile of cached keys and values, which no kernel of the step writes, before waiting on
-# the q/k/v GEMM under PDL, and attends to the step's own key from registers (the program
-# that stores it), so that the tile's load is off the critical path. False: the key walk
-# starts after the wait and reads the stored step key back (A/B runs).
-DECODE_EARLY_KV = True
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -830,7 +738,6 @@ def triton_paged_attention(
         HAS_QK_NORM=kv.q_norm_weight is not None,
         INPUT_PRECISION=precision,
         PDL=pdl,
-        EARLY_KV=step_kv is not None and meta.max_query_len == 1 and DECODE_EARLY_KV,
         num_warps=num_warps or _num_warps(block_m, block_d),
         num_stages=num_stages or 2,
         **launch_options(pdl),
