@@ -155,6 +155,10 @@ def count(kernel, const, out_f32=False, **options):
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
               RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4,
               TRIGGER=0)
+# A split decode-shaped attention launch; the variants below change what they name.
+attention = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
+                 USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=False,
+                 ONE_ROW=False, HAS_QK_NORM=False, INPUT_PRECISION="tf32")
 variants = {
     "skinny dot": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True), {}),
     "skinny dot split-k": (_skinny_matmul_kernel,
@@ -166,23 +170,13 @@ variants = {
                                 dict(skinny, BLOCK_M=16, USE_DOT=True, TRIGGER=1), {}),
     "skinny 1 row trigger after loads": (_skinny_matmul_kernel,
                                          dict(skinny, BLOCK_M=1, USE_DOT=False, TRIGGER=2), {}),
-    "attention split": (_paged_attention_kernel,
-                        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4,
-                             CAUSAL=True, USE_WINDOW=False, SPLIT=True, MERGE=False,
-                             MERGE_SPLITS=1, ROPE=False, ONE_ROW=False, HAS_QK_NORM=False,
-                             INPUT_PRECISION="tf32"),
-                        {}),
+    "attention split": (_paged_attention_kernel, attention, {}),
     "attention verify + rope": (
         _paged_attention_kernel,
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=32, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=True,
-             ONE_ROW=False, HAS_QK_NORM=True, INPUT_PRECISION="tf32"),
-        {"num_warps": 4}),
+        dict(attention, BLOCK_M=64, BLOCK_N=32, ROPE=True, HAS_QK_NORM=True), {"num_warps": 4}),
     "attention split, decode merge + rope": (
         _paged_attention_kernel,
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
-             USE_WINDOW=False, SPLIT=True, MERGE=True, MERGE_SPLITS=16, ROPE=True,
-             ONE_ROW=True, HAS_QK_NORM=True, INPUT_PRECISION="tf32"),
+        dict(attention, MERGE=True, MERGE_SPLITS=16, ROPE=True, ONE_ROW=True, HAS_QK_NORM=True),
         {"num_warps": 2}),
     "attention reduce": (_paged_attention_reduce_kernel,
                          dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), {}),

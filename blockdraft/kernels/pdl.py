@@ -46,8 +46,8 @@ TRIGGER_ENV_VAR = "BLOCKDRAFT_PDL_GEMM_TRIGGER"
 # Under "auto" (BLOCKDRAFT_PDL unset), on devices that have it: PDL in forwards whose requests
 # have at most PDL_MAX_QUERY_LEN query rows each. 1, decode forwards only: at 16 (verify and
 # drafter blocks too) the H200's DFlash N = 15 step read 6.08 / 6.07 ms against 6.02 / 6.01
-# (gpu_bench --ablate, row "pdl16", BENCHMARKS.md run XVII), with the attention letting its
-# successor launch after its key walk as well as at its start.
+# (gpu_bench --ablate, row "pdl16", BENCHMARKS.md run XVII; the same with the attention
+# letting its successor launch at its start, or after its key walk in a reverted variant).
 PDL_ON_HOPPER = True
 PDL_MAX_QUERY_LEN = 1
 # L2 bytes the first wave of a skinny GEMM may prefetch (BLOCKDRAFT_PDL_PREFETCH_MIB): off, as
