@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = time.perf_counter() - t_start
     report = {"device": hardware(), "shape": args.shape, "cases": cases, "seconds": seconds}
     if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
     print_table(
         "Paged attention per layer (us; split-K reduction included)",

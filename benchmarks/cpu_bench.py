@@ -103,6 +103,7 @@ def main() -> None:
     print_table("DFlash step-cost ratio (verify 1+N + draft) / (one decode step), batch 1",
                 ["N", "decode ms", "spec step ms", "ratio"], ratio_rows)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
 
 

@@ -294,6 +294,7 @@ def main() -> None:
             "best_configs": best_configs,
             "seconds": time.perf_counter() - t_start,
         }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.json}")
 

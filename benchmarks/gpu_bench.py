@@ -565,6 +565,7 @@ def main() -> None:
             target, drafter, kw, prompt, args.steps, args.accept, args.ablate_only
         )
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
     compiles = TritonCompileLog()
@@ -699,6 +700,7 @@ def main() -> None:
             args.drafter_prompts, args.drafter_tokens, repeats=args.drafter_repeats
         )
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
 
 

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         table,
     )
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
 

@@ -1,12 +1,13 @@
 """Plot gpu_bench.py's JSON: throughput against concurrency, AR vs DFlash, with the roofline.
 
-    python benchmarks/plot_gpu.py gpu_bench.json docs/gpu_throughput.png
+    python benchmarks/plot_gpu.py results/gpu_bench.json results/gpu_throughput.png
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
@@ -41,6 +42,7 @@ def main(src: str, dst: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(dst)
 
 

@@ -3,7 +3,7 @@ concurrency, requests/s and output tok/s per level. With --draft, the same run t
 with DFlash, and the speedup.
 
     .venv/bin/python benchmarks/server_bench.py [--model DIR|GGUF] [--draft DIR]
-        [--concurrency 1 2 4 8 16 32] [--max-tokens 64] [--json server_bench.json]
+        [--concurrency 1 2 4 8 16 32] [--max-tokens 64] [--json results/server_bench.json]
 
 No --model: the embedded SmolLM2-135M-Instruct. Requests are greedy and streamed (the stream
 gives time to first token); each level sends `--requests-per-level` x concurrency requests from
@@ -192,7 +192,7 @@ def main() -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--json", default="server_bench.json", help="where to write the results")
+    p.add_argument("--json", default="results/server_bench.json", help="where to write the results")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -237,6 +237,7 @@ def main() -> None:
         "runs": runs,
         **summary,
     }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
     print(f"\nwrote {args.json}")

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"hardware": hardware(), "date": datetime.date.today().isoformat(),
            "args": vars(args), "results": results}  # fmt: skip
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return out

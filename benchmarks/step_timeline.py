@@ -83,7 +83,9 @@ def main() -> None:
     p.add_argument("--engine", nargs="+", choices=["ar", "dflash"], default=["ar", "dflash"])
     p.add_argument("--steps", type=int, default=6, help="profiled steps (>= 3)")
     p.add_argument("--accept", type=float, default=0.86)
-    p.add_argument("--out", default=".", help="folder for the traces and timelines")
+    p.add_argument(
+        "--out", default="results/step_timeline", help="folder for the traces and timelines"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("step_timeline.py needs a CUDA device")

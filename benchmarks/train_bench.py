@@ -131,6 +131,7 @@ def main() -> None:
         "runs": rows,
     }
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=1))
     print_table(
         f"{results['hardware']}, {results['date']}: drafter training step ({results['target']}, "

@@ -1,8 +1,9 @@
-"""Plots the shipped drafter's training curves, round after round, from the logs kept in
-docs/drafter (train_log_roundN.jsonl, one JSON line a step): the weighted block loss and the
-estimated acceptance length on the training batches, both as 50-step means.
+"""Plots the shipped drafter's training curves, round after round, from its training logs
+(train_log_roundN.jsonl, one JSON line a step, in results/drafter): the weighted block loss and
+the estimated acceptance length on the training batches, both as 50-step means.
 
-    python scripts/plot_drafter_training.py [--logs docs/drafter] [--out docs/drafter/training.png]
+    python scripts/plot_drafter_training.py [--logs results/drafter] \
+        [--out results/drafter/training.png]
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def round_of(path: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--logs", type=Path, default=Path("docs/drafter"))
-    ap.add_argument("--out", type=Path, default=Path("docs/drafter/training.png"))
+    ap.add_argument("--logs", type=Path, default=Path("results/drafter"))
+    ap.add_argument("--out", type=Path, default=Path("results/drafter/training.png"))
     args = ap.parse_args()
     logs = sorted(args.logs.glob("train_log_round*.jsonl"), key=round_of)
     if not logs:
@@ -58,6 +59,7 @@ def main() -> None:
         ax.legend(fontsize=8, ncol=2)
     fig.suptitle("SmolLM2-135M DFlash drafter, H200 (3 layers; 5 from round 10)")
     fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=100)
     print(f"[plot in {args.out}]")
 
