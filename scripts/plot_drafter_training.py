@@ -1,6 +1,7 @@
 """Plots the shipped drafter's training curves, round after round, from its training logs
 (train_log_roundN.jsonl, one JSON line a step, in results/drafter): the weighted block loss and
-the estimated acceptance length on the training batches, both as 50-step means.
+the estimated acceptance length on the training batches, both as 50-step means. The shipped
+rounds' logs live in git history: `git show 9579be2:docs/drafter/train_log_round11.jsonl`.
 
     python scripts/plot_drafter_training.py [--logs results/drafter] \
         [--out results/drafter/training.png]
