@@ -7,8 +7,8 @@ shared-memory ring and multiplies on tensor cores (x padded to 16 rows by the co
 fill; split-K partials summed by torch). For each Qwen3-8B projection at M = 1 and 16 it sweeps
 block shape, stages and split-K and prints the best TB/s next to `skinny_linear` with its
 default table, both timed as benchmarks/gemv_bench.py times (CUDA graphs, weights cycled past
-the L2). Measured 2026-12-03 on an H200 (BENCHMARKS.md, run XII): no better at M = 1, 1-6%
-better at M = 16, so the engine keeps its kernel. CUDA (sm_90) only.
+the L2). On an H200 it is no better at M = 1 and 1-6% better at M = 16, so the engine keeps
+its kernel (docs/benchmark-history.md). CUDA (sm_90) only.
 """
 
 import itertools
