@@ -1,6 +1,6 @@
 """GPU timings of the Triton kernels against their torch twins (bf16, Qwen3-8B-like heads).
 
-    python -m blockdraft.kernels.benchmark [--tune]
+    python benchmarks/kernel_bench.py [--tune]
 
 Prints one line per case: torch twin time, Triton time, speed-up, and the largest difference
 between the two outputs. `--tune` also sweeps the attention launch options per case.
