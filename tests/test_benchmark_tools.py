@@ -157,7 +157,7 @@ def test_compile_stalls_needs_a_gpu(monkeypatch) -> None:
         compile_stalls.main()
 
 
-def test_decode_breakdown_variants_leave_out_what_they_name(rng, monkeypatch) -> None:
+def test_decode_breakdown_variants_leave_out_what_they_name(rng, set_policy) -> None:
     """Each variant's attention block is the o projection of what it keeps: the rotated queries
     (keys and values still stored), attention over the cache on the raw queries, or the raw
     queries; "full" is the layer's own forward."""
@@ -168,7 +168,7 @@ def test_decode_breakdown_variants_leave_out_what_they_name(rng, monkeypatch) ->
     from blockdraft.models.decoder import SelfAttention
     from blockdraft.models.model_config import TransformerConfig
 
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    set_policy(backend="torch")
     cfg = TransformerConfig(
         architecture="qwen3", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1,
         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
