@@ -95,6 +95,22 @@ def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
     assert "steady batch" in capsys.readouterr().out
 
 
+def test_gpu_bench_ablation_rows_are_kernel_policies() -> None:
+    """Each --ablate row is a valid KernelPolicy (the defaults with its fields replaced), rows
+    are named once per engine, and the only other switches are async decode and T = 1."""
+    import dataclasses
+
+    from benchmarks import gpu_bench
+    from blockdraft.kernels.policy import KernelPolicy
+
+    names = [(engine, name) for engine, name, _, _ in gpu_bench.ABLATION]
+    assert len(set(names)) == len(names)
+    for engine, _, fields, extra in gpu_bench.ABLATION:
+        assert engine in ("AR", "DFlash")
+        assert set(extra.split()) <= {"async", "t1"}
+        dataclasses.replace(KernelPolicy(), **fields)  # raises on an unknown or bad field
+
+
 def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsys) -> None:
     """gpu_bench's d.: the default target with its shipped drafter on the installed prompt
     sets (here one set, two prompts, on the CPU), and a clear skip when none is installed."""
