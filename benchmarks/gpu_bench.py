@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     write_dummy_drafter,
 )
 from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -205,64 +206,40 @@ def mean_step_ms(
     return elapsed / steps * 1e3
 
 
-# (engine, name, SKINNY_MAX_ROWS, FUSE_SILU_MUL_INTO_DOWN, FUSE_NORM_INTO_SKINNY,
-#  FUSE_KV_STORE_INTO_ROPE, extra); "DFlash" rows time the N = 15 step (verify 16 rows + draft).
-# extra: "async" = async_decode, "t1" = temperature 1 with the sampler's torch twins,
-# "t1-triton" = temperature 1 with its Triton kernels (select.TRITON_SAMPLER_ON_CUDA);
-# "pdl" / "nopdl" = BLOCKDRAFT_PDL=1 / 0 (neither: unset, the default policy),
-# "prefetchM" = the skinny GEMM's L2 prefetch budget, M MiB; "trigger-off" / "-start" / "-end" =
-# a PDL-launched skinny GEMM lets its successor launch on exit / at its programs' start / after
-# their loads (BLOCKDRAFT_PDL_GEMM_TRIGGER; default: after the loads); "nomerge" = split-K
-# decode attention merged by the reduce kernel (triton_attention.FUSE_DECODE_SPLIT_MERGE off);
-# "roperow" = a decode forward's q/k norm + RoPE + KV store in their own kernel, not in the
-# attention kernel, "rope16" = in it for verify and drafter blocks too
-# (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "pdl16" = PDL in forwards of at
-# most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode forwards only);
-# "silu16" = the SiLU·mul prologue
-# up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
+# (engine, name, KernelPolicy fields that differ from the defaults, extra); "DFlash" rows time
+# the N = 15 step (verify 16 rows + draft). extra: "async" = async_decode, "t1" = temperature 1.
+CUBLAS = dict(skinny_max_rows=0, fuse_silu_mul_into_down=False, fuse_norm_into_skinny=False,
+              fuse_kv_store_into_rope=False)  # fmt: skip
+SKINNY2 = dict(skinny_max_rows=2, fuse_kv_store_into_rope=False)
 ABLATION = [
-    ("AR", "cuBLAS", 0, False, False, False, ""),
-    ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
-    ("AR", "+ SiLU·mul prologue", 2, True, False, False, ""),
-    ("AR", "+ RMSNorm prologue", 2, False, True, False, ""),
-    ("AR", "+ both prologues", 2, True, True, False, ""),
-    ("AR", "+ KV store in RoPE", 2, True, True, True, ""),
-    ("AR", "+ async decode", 2, True, True, True, "async"),
-    ("AR", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
-    ("AR", "T = 1, torch sampler", 2, True, True, True, "t1"),
-    ("AR", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
-    ("DFlash", "cuBLAS", 0, False, False, False, ""),
-    ("DFlash", "skinny <= 2 rows, prologues", 2, True, True, False, ""),
-    ("DFlash", "+ KV store in RoPE", 2, True, True, True, ""),
-    ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", 16, True, True, True, ""),
-    ("DFlash", "T = 1, torch sampler", 2, True, True, True, "t1"),
-    ("DFlash", "T = 1, Triton sampler", 2, True, True, True, "t1-triton"),
+    ("AR", "cuBLAS", CUBLAS, ""),
+    ("AR", "skinny <= 2 rows", dict(CUBLAS, skinny_max_rows=2), ""),
+    ("AR", "+ SiLU·mul prologue", dict(SKINNY2, fuse_norm_into_skinny=False), ""),
+    ("AR", "+ RMSNorm prologue", dict(SKINNY2, fuse_silu_mul_into_down=False), ""),
+    ("AR", "+ both prologues", SKINNY2, ""),
+    ("AR", "+ KV store in RoPE", dict(skinny_max_rows=2), ""),
+    ("AR", "+ async decode", dict(skinny_max_rows=2), "async"),
+    ("AR", "all, skinny <= 16 rows (prologues <= 2)", {}, ""),
+    ("AR", "T = 1", dict(skinny_max_rows=2), "t1"),
+    ("DFlash", "cuBLAS", CUBLAS, ""),
+    ("DFlash", "skinny <= 2 rows, prologues", SKINNY2, ""),
+    ("DFlash", "+ KV store in RoPE", dict(skinny_max_rows=2), ""),
+    ("DFlash", "all, skinny <= 16 rows (prologues <= 2)", {}, ""),
+    ("DFlash", "T = 1", dict(skinny_max_rows=2), "t1"),
     # Programmatic dependent launch (blockdraft.kernels.pdl): the defaults put it in decode
-    # forwards only (a DFlash step has none at batch 1 and 8), against off and every launch.
-    ("AR", "defaults (PDL in decode forwards)", 16, True, True, True, "async"),
-    ("AR", "PDL off", 16, True, True, True, "async nopdl"),
-    ("AR", "PDL on every launch, L2 prefetch 32 MiB", 16, True, True, True, "async pdl prefetch32"),
-    ("DFlash", "defaults (PDL in decode forwards)", 16, True, True, True, ""),
-    ("DFlash", "PDL on every launch", 16, True, True, True, "pdl trigger-off"),
-    ("AR", "split-K decode attention merged by a second kernel", 16, True, True, True,
-     "async nomerge"),
-    ("AR", "q/k norm + RoPE + KV store in a kernel before attention", 16, True, True, True,
-     "async roperow"),
-    ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention", 16, True, True, True,
-     "rope16"),
-    ("AR", "PDL, L2 prefetch 4 MiB, GEMMs trigger after loads", 16, True, True, True,
-     "async prefetch4"),
-    ("AR", "PDL, GEMMs trigger on exit", 16, True, True, True, "async trigger-off"),
-    ("AR", "PDL, GEMMs trigger at start", 16, True, True, True, "async trigger-start"),
-    ("AR", "PDL, GEMMs trigger at start, L2 prefetch 8 MiB", 16, True, True, True,
-     "async trigger-start prefetch8"),
-    ("DFlash", "PDL on every launch, GEMMs trigger at start", 16, True, True, True,
-     "pdl trigger-start"),
-    ("DFlash", "PDL on every launch, GEMMs trigger after loads", 16, True, True, True,
-     "pdl trigger-end"),
-    ("DFlash", "PDL in forwards of <= 16 query rows", 16, True, True, True, "pdl16"),
-    ("AR", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "async silu16"),
-    ("DFlash", "SiLU·mul prologue <= 16 rows", 16, True, True, True, "silu16"),
+    # forwards only (a DFlash step has none at batch 1 and 8).
+    ("AR", "defaults (PDL in decode forwards)", {}, "async"),
+    ("AR", "PDL off", dict(pdl=False), "async"),
+    ("DFlash", "defaults (PDL in decode forwards)", {}, ""),
+    ("DFlash", "PDL in forwards of <= 16 query rows", dict(pdl_max_query_len=16), ""),
+    ("AR", "split-K decode attention merged by a second kernel",
+     dict(fuse_decode_split_merge=False), "async"),
+    ("AR", "q/k norm + RoPE + KV store in a kernel before attention",
+     dict(rope_in_attention_max_query_len=0), "async"),
+    ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention",
+     dict(rope_in_attention_max_query_len=16), ""),
+    ("AR", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), "async"),
+    ("DFlash", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), ""),
 ]
 
 
@@ -276,41 +253,18 @@ def ablate(
     only: list[str] | None = None,
 ) -> list[dict]:
     """Step time at batch 1 and 8 for each kernel variant (the GEMMs, their prologues, the KV
-    store fused into RoPE, async decode, the sampler's kernels at T = 1) of the AR engine and of
-    DFlash at N = 15, one engine at a time (random weights made again for each, so the greedy
-    tokens compare only in shape). `only`: keep the rows whose "engine variant" contains one of
+    store fused into RoPE, async decode, PDL, the attention's fusions, T = 1) of the AR engine
+    and of DFlash at N = 15, one engine at a time, each with its own `KernelPolicy` (`kw`'s
+    with the row's fields replaced; random weights made again for each, so the greedy tokens
+    compare only in shape). `only`: keep the rows whose "engine variant" contains one of
     these."""
-    from blockdraft.kernels import pdl, select, triton_attention
-    from blockdraft.models import decoder
-
+    base = kw.get("kernel_policy", KernelPolicy())
     rows = []
-    sampler_default = select.TRITON_SAMPLER_ON_CUDA
-    silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
-    rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
-    merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
-    pdl_rows_default = pdl.PDL_MAX_QUERY_LEN
-    env_vars = (pdl.ENV_VAR, pdl.PREFETCH_ENV_VAR, pdl.TRIGGER_ENV_VAR)
-    env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
-    for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
-        decoder.SKINNY_MAX_ROWS = max_rows
-        decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
-        decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
-        select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
-        temperature = 1.0 if extra.startswith("t1") else 0.0
-        flags = extra.split()
-        engine_kw = {**kw, "async_decode": "async" in flags}
-        os.environ[pdl.ENV_VAR] = "1" if "pdl" in flags else "0" if "nopdl" in flags else ""
-        prefetch = [f.removeprefix("prefetch") for f in flags if f.startswith("prefetch")]
-        os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
-        trigger = [f.removeprefix("trigger-") for f in flags if f.startswith("trigger-")]
-        os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
-        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
-        triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
-        pdl.PDL_MAX_QUERY_LEN = 16 if "pdl16" in flags else pdl_rows_default
-        triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
-            0 if "roperow" in flags else 16 if "rope16" in flags else rope_rows_default
-        )
+    for engine, name, fields, extra in tqdm(todo, "ablation"):
+        policy = dataclasses.replace(base, **fields)
+        temperature = 1.0 if "t1" in extra.split() else 0.0
+        engine_kw = {**kw, "async_decode": "async" in extra.split(), "kernel_policy": policy}
         if engine == "AR":
             llm = LLM(str(target), **engine_kw)
         else:
@@ -318,23 +272,12 @@ def ablate(
         step1 = mean_step_ms(llm, prompt, 1, steps, temperature)
         step8 = mean_step_ms(llm, prompt, 8, steps, temperature)
         rows.append(
-            {"engine": engine, "variant": name, "skinny_max_rows": max_rows,
-             "fuse_silu_mul": silu, "fuse_norm": norm, "fuse_kv_store": kv_store,
+            {"engine": engine, "variant": name, "kernel_policy": dataclasses.asdict(policy),
              "extra": extra, "step_ms_batch1": step1, "step_ms_batch8": step8}
         )  # fmt: skip
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    select.TRITON_SAMPLER_ON_CUDA = sampler_default
-    decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
-    triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
-    pdl.PDL_MAX_QUERY_LEN = pdl_rows_default
-    triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
-    for name, value in env_default.items():
-        if value is None:
-            os.environ.pop(name)
-        else:
-            os.environ[name] = value
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],
@@ -481,28 +424,28 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="skinny down projections form the MLP's silu(gate) * up in their loads "
-        "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
+        "(KernelPolicy.fuse_silu_mul_into_down)",
     )
     p.add_argument(
         "--silu-mul-prologue-rows",
         type=int,
         default=None,
         help="the down projection forms SiLU·mul in its loads up to this many rows "
-        "(decoder.SILU_MUL_PROLOGUE_MAX_ROWS)",
+        "(KernelPolicy.silu_mul_prologue_max_rows)",
     )
     p.add_argument(
         "--fuse-norm",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
-        "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
+        "in their loads (KernelPolicy.fuse_norm_into_skinny)",
     )
     p.add_argument(
         "--fuse-kv-store",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the q/k norm + RoPE kernel also writes the keys and values into the paged cache "
-        "(decoder.FUSE_KV_STORE_INTO_ROPE)",
+        "(KernelPolicy.fuse_kv_store_into_rope)",
     )
     p.add_argument(
         "--async-decode",
@@ -515,38 +458,27 @@ def main() -> None:
         "--pdl-max-query-len",
         type=int,
         default=None,
-        help="PDL (where BLOCKDRAFT_PDL is unset) in forwards of at most this many query rows "
-        "a request (pdl.PDL_MAX_QUERY_LEN; 1: decode forwards only)",
+        help="PDL in forwards of at most this many query rows a request "
+        "(KernelPolicy.pdl_max_query_len; 1: decode forwards only)",
     )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
-    from blockdraft.kernels import pdl
-    from blockdraft.models import decoder
-
-    if args.skinny_rows is not None:
-        decoder.SKINNY_MAX_ROWS = args.skinny_rows
     if args.skinny_configs:
         load_skinny_configs(args.skinny_configs)
-    if args.fuse_silu_mul is not None:  # default: the engine's own setting
-        decoder.FUSE_SILU_MUL_INTO_DOWN = args.fuse_silu_mul
-    if args.fuse_norm is not None:
-        decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
-    if args.fuse_kv_store is not None:
-        decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
-    if args.silu_mul_prologue_rows is not None:
-        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
-    if args.pdl_max_query_len is not None:
-        pdl.PDL_MAX_QUERY_LEN = args.pdl_max_query_len
+    flags = {
+        "skinny_max_rows": args.skinny_rows,
+        "fuse_silu_mul_into_down": args.fuse_silu_mul,
+        "fuse_norm_into_skinny": args.fuse_norm,
+        "fuse_kv_store_into_rope": args.fuse_kv_store,
+        "silu_mul_prologue_max_rows": args.silu_mul_prologue_rows,
+        "pdl_max_query_len": args.pdl_max_query_len,
+    }  # None: the default policy's
+    policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
-    results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
-    results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
-    results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
-    results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
-    results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
-    results["pdl_max_query_len"] = pdl.PDL_MAX_QUERY_LEN
+    results["kernel_policy"] = dataclasses.asdict(policy)
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 
@@ -559,6 +491,7 @@ def main() -> None:
         max_model_len=args.prompt_len + args.new_tokens + 64,
         max_num_seqs=max(args.concurrency + args.batches),
         async_decode=args.async_decode,
+        kernel_policy=policy,
     )
     if args.ablate:
         results["ablation"] = ablate(

@@ -1,14 +1,36 @@
-"""One engine configuration, validated once in __post_init__."""
+"""One engine configuration, validated once in __post_init__.
+
+The one environment variable blockdraft reads, here and nowhere else:
+
+    BLOCKDRAFT_KERNELS=auto|torch|triton
+
+the kernel backend of `EngineConfig`'s default `kernel_policy` (read when the config is made;
+unset or "auto": Triton on CUDA when it imports, the torch twins elsewhere; "torch" / "triton"
+force one, e.g. to compare the two paths; Triton on the CPU needs TRITON_INTERPRET=1). Every
+other kernel choice is a field of `blockdraft.kernels.policy.KernelPolicy`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
 from blockdraft.assets import DEFAULT_DRAFTER, default_drafter_path
+from blockdraft.kernels.policy import BACKENDS, KernelPolicy
 from blockdraft.spec_decode.draft_schedule import check_draft_schedule, is_positive_int
+
+KERNELS_ENV_VAR = "BLOCKDRAFT_KERNELS"
+
+
+def default_kernel_policy() -> KernelPolicy:
+    """`KernelPolicy()` with the backend BLOCKDRAFT_KERNELS names (unset: "auto")."""
+    backend = os.environ.get(KERNELS_ENV_VAR, "").strip().lower() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"{KERNELS_ENV_VAR} must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    return KernelPolicy(backend=backend)
 
 
 @dataclass
@@ -85,8 +107,15 @@ class EngineConfig:
     # None: on for CUDA (measured on an H200: 4.78 -> 4.43 ms a Qwen3-8B decode step at batch
     # 1), off on the CPU, where the host does the forward itself and nothing overlaps.
     async_decode: bool | None = None
+    # Every kernel choice (blockdraft/kernels/policy.py); the default's backend comes from
+    # BLOCKDRAFT_KERNELS.
+    kernel_policy: KernelPolicy = field(default_factory=default_kernel_policy)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kernel_policy, KernelPolicy):
+            raise ValueError(
+                f"kernel_policy must be a KernelPolicy, got {type(self.kernel_policy).__name__}"
+            )
         if self.async_decode is not None and not isinstance(self.async_decode, bool):
             raise ValueError(
                 f"async_decode must be True, False or None (auto), got {self.async_decode!r}"

@@ -1,4 +1,6 @@
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 # Triton reads TRITON_INTERPRET when it is first imported, and other modules (torch's FlexAttention
 # and inductor) may import it before tests/test_kernels.py does: on a machine without a GPU the
@@ -8,6 +10,9 @@ if not os.path.exists("/dev/nvidia0"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from blockdraft.kernels.forward_context import use_kernel_policy  # noqa: E402
+from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
 # Tests check numerics in float32 on the CPU with tiny models, where extra threads only spin:
 # one thread was 15x faster than two on a loaded 2-core machine.
@@ -20,3 +25,17 @@ def rng() -> torch.Generator:
     seed = int(os.environ.get("BLOCKDRAFT_TEST_SEED", torch.seed() % 2**31))
     print(f"test seed: {seed} (set BLOCKDRAFT_TEST_SEED to replay)")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def set_policy() -> Iterator[Callable[..., KernelPolicy]]:
+    """`set_policy(**fields)`: kernels follow `KernelPolicy(**fields)` for the rest of the test
+    (or until the next call), as the engine's forwards follow its config's."""
+    with contextlib.ExitStack() as stack:
+
+        def enter(**fields: object) -> KernelPolicy:
+            policy = KernelPolicy(**fields)
+            stack.enter_context(use_kernel_policy(policy))
+            return policy
+
+        yield enter

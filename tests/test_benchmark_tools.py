@@ -95,6 +95,22 @@ def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
     assert "steady batch" in capsys.readouterr().out
 
 
+def test_gpu_bench_ablation_rows_are_kernel_policies() -> None:
+    """Each --ablate row is a valid KernelPolicy (the defaults with its fields replaced), rows
+    are named once per engine, and the only other switches are async decode and T = 1."""
+    import dataclasses
+
+    from benchmarks import gpu_bench
+    from blockdraft.kernels.policy import KernelPolicy
+
+    names = [(engine, name) for engine, name, _, _ in gpu_bench.ABLATION]
+    assert len(set(names)) == len(names)
+    for engine, _, fields, extra in gpu_bench.ABLATION:
+        assert engine in ("AR", "DFlash")
+        assert set(extra.split()) <= {"async", "t1"}
+        dataclasses.replace(KernelPolicy(), **fields)  # raises on an unknown or bad field
+
+
 def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsys) -> None:
     """gpu_bench's d.: the default target with its shipped drafter on the installed prompt
     sets (here one set, two prompts, on the CPU), and a clear skip when none is installed."""
@@ -157,7 +173,7 @@ def test_compile_stalls_needs_a_gpu(monkeypatch) -> None:
         compile_stalls.main()
 
 
-def test_decode_breakdown_variants_leave_out_what_they_name(rng, monkeypatch) -> None:
+def test_decode_breakdown_variants_leave_out_what_they_name(rng, set_policy) -> None:
     """Each variant's attention block is the o projection of what it keeps: the rotated queries
     (keys and values still stored), attention over the cache on the raw queries, or the raw
     queries; "full" is the layer's own forward."""
@@ -168,7 +184,7 @@ def test_decode_breakdown_variants_leave_out_what_they_name(rng, monkeypatch) ->
     from blockdraft.models.decoder import SelfAttention
     from blockdraft.models.model_config import TransformerConfig
 
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    set_policy(backend="torch")
     cfg = TransformerConfig(
         architecture="qwen3", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1,
         num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,

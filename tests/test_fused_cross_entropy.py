@@ -19,15 +19,15 @@ from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
 
-from blockdraft.kernels import select  # noqa: E402
 from blockdraft.kernels import triton_cross_entropy as tce  # noqa: E402
 from blockdraft.kernels.cross_entropy import linear_cross_entropy_torch  # noqa: E402
+from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
 from blockdraft.models.dflash import DFlashDrafter  # noqa: E402
 from blockdraft.train import drafter as drafter_mod  # noqa: E402
 from blockdraft.train.cli import add_train_draft_parser  # noqa: E402
 from blockdraft.train.trainer import TrainConfig  # noqa: E402
 
-INTERPRETED = select._interpreting()
+INTERPRETED = triton_interpreting()
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -183,7 +183,7 @@ def fused_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def test_block_loss_picks_path(rng, fused_calls, monkeypatch) -> None:
+def test_block_loss_picks_path(rng, fused_calls) -> None:
     h, w, labels, weights = make_case(rng, 19, 1000, 16, torch.float32)
     plain = FakeDrafter(w)
     ref = run(linear_cross_entropy_torch, h, w, labels, weights, chunk_rows=8)
@@ -194,8 +194,8 @@ def test_block_loss_picks_path(rng, fused_calls, monkeypatch) -> None:
             h, w, labels, weights,
         )
 
-    # auto: the twin on the CPU (whatever TRITON_INTERPRET says), the kernel on CUDA
-    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    # auto (the default policy): the twin on the CPU (whatever TRITON_INTERPRET says), the
+    # kernel on CUDA
     auto = loss_of(plain, None)
     assert len(fused_calls) == (0 if DEVICE.type == "cpu" else 1)
     assert torch.allclose(auto[0], ref[0], rtol=1e-5)

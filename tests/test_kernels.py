@@ -32,6 +32,7 @@ from blockdraft.kernels.forward_context import (  # noqa: E402
     slots_for_positions,
 )
 from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
+from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 from blockdraft.kernels.rope import (  # noqa: E402
     qk_norm_rope_store_torch,
     qk_norm_rope_torch,
@@ -50,6 +51,7 @@ from blockdraft.kernels.triton_attention import (  # noqa: E402
     triton_paged_attention,
 )
 from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs  # noqa: E402
+from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
 from blockdraft.kernels.triton_kv_store import triton_store_kv  # noqa: E402
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm  # noqa: E402
 from blockdraft.kernels.triton_rope import (  # noqa: E402
@@ -70,7 +72,7 @@ from blockdraft.spec_decode.rejection_sampler import rejection_sample, sample_dr
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint  # noqa: E402
 
-INTERPRETED = select._interpreting()
+INTERPRETED = triton_interpreting()
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -389,8 +391,9 @@ def test_attention_norms_rotates_and_stores_the_step(
         torch.testing.assert_close(cached[name][:-1], cache[:-1], atol=1e-6, rtol=1e-6)
 
 
-def test_rope_store_attention_fused_or_not(rng, monkeypatch) -> None:
-    """The public wrapper: launches of at most ROPE_IN_ATTENTION_MAX_QUERY_LEN query rows take
+def test_rope_store_attention_fused_or_not(rng, monkeypatch, set_policy) -> None:
+    """The public wrapper: launches of at most the policy's rope_in_attention_max_query_len
+    query rows take
     the fused kernel, others (and all with 0) run the RoPE kernel first; all equal the twin."""
     calls = []
     rope_kernel = triton_attention.triton_qk_norm_rope_store
@@ -402,7 +405,7 @@ def test_rope_store_attention_fused_or_not(rng, monkeypatch) -> None:
     monkeypatch.setattr(triton_attention, "triton_qk_norm_rope_store", counting)
     for query_lens, max_rows, expect_calls in (([1, 1], 1, 0), ([3, 2], 1, 1), ([1, 1], 0, 1),
                                                ([3, 2], 16, 0)):  # fmt: skip
-        monkeypatch.setattr(triton_attention, "ROPE_IN_ATTENTION_MAX_QUERY_LEN", max_rows)
+        set_policy(rope_in_attention_max_query_len=max_rows)
         calls.clear()
         args, cached = rope_attention_case(rng, [21, 40], query_lens, 4, 2, 16, True)
         twin = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
@@ -561,13 +564,13 @@ def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rms_norm_matches_layer(rng, monkeypatch, dtype: torch.dtype) -> None:
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+def test_rms_norm_matches_layer(rng, set_policy, dtype: torch.dtype) -> None:
+    set_policy(backend="torch")
     layer = RMSNorm(40, eps=1e-5).to(DEVICE, dtype)
     layer.weight.data = randn(rng, 40).to(dtype)
     x, residual = randn(rng, 2, 3, 40).to(dtype), randn(rng, 2, 3, 40).to(dtype)
     expected = eager_rms_norm(x, layer.weight, 1e-5)
-    # The torch path (CPU, or BLOCKDRAFT_ATTENTION=torch) is bit-identical to the eager code.
+    # The torch path (CPU, or backend "torch") is bit-identical to the eager code.
     torch.testing.assert_close(rms_norm_torch(x, layer.weight, 1e-5), expected, atol=0, rtol=0)
     torch.testing.assert_close(layer(x), expected, atol=0, rtol=0)
     normed, stream = layer(x, residual)
@@ -577,7 +580,7 @@ def test_rms_norm_matches_layer(rng, monkeypatch, dtype: torch.dtype) -> None:
     )
     tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(triton_rms_norm(x, layer.weight, 1e-5), expected, **tol)
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     triton_layer = RMSNorm(40, eps=1e-5).to(DEVICE, dtype)
     triton_layer.weight.data = layer.weight.data
     torch.testing.assert_close(triton_layer(x), expected, **tol)
@@ -737,10 +740,10 @@ def test_qk_norm_rope_store(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_qk_norm_rope_matches_layers(rng, monkeypatch, dtype: torch.dtype) -> None:
+def test_qk_norm_rope_matches_layers(rng, set_policy, dtype: torch.dtype) -> None:
     """The twin is bit-identical to the norm modules + the old rotate; the Triton path of the
     layer is close, and training (grad) falls back to the twin."""
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    set_policy(backend="torch")
     rotary, query, key, positions, q_w, k_w = qk_case(rng, 6, 4, 2, 48, dtype, True)
     q_norm, k_norm = RMSNorm(48, eps=1e-5).to(DEVICE, dtype), RMSNorm(48, eps=1e-5)
     k_norm = k_norm.to(DEVICE, dtype)
@@ -759,7 +762,7 @@ def test_qk_norm_rope_matches_layers(rng, monkeypatch, dtype: torch.dtype) -> No
         None, key, positions, rotary.cos_cache, rotary.sin_cache, None, k_w.float(), 1e-5
     )
     assert mixed.dtype == torch.float32
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     triton_rotary = RotaryEmbedding(48, 50, 10000.0).to(DEVICE)
     got = triton_rotary(positions, query, key, q_w, k_w, 1e-5)
     for g, e in zip(got, expected, strict=True):
@@ -785,8 +788,8 @@ def test_silu_mul(rng, num_rows: int, cols: int, dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, expected, **tolerance(dtype))
 
 
-def test_mlp_backends(rng, monkeypatch) -> None:
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+def test_mlp_backends(rng, set_policy) -> None:
+    set_policy(backend="triton")
     with torch.device(DEVICE):
         mlp = MLP(24, 40)
     x = randn(rng, 3, 24)
@@ -853,11 +856,11 @@ def unfused_stack(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_decoder_layers_fused_residual_norm(
-    rng, monkeypatch, backend: str, dtype: torch.dtype
+    rng, monkeypatch, set_policy, backend: str, dtype: torch.dtype
 ) -> None:
     # Only the norms change backend: attention stays on the torch twin, as the interpreter's
     # bf16 dots are not faithful (the engine test below covers the kernels together, in fp32).
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+    set_policy(backend="torch")
     if backend == "triton":
         monkeypatch.setattr("blockdraft.layers.norm.get_rms_norm_backend", lambda d: counting)
     fused_calls = []
@@ -898,12 +901,12 @@ def test_decoder_layers_fused_residual_norm(
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
 
 
-def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch) -> None:
+def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
     """With FUSE_KV_STORE_INTO_ROPE, Qwen3 layers on the Triton path (fused q/k/v: strided
     heads) store their keys and values from the RoPE kernel and attend without the store
     kernel, and the drafter's context rows (`write_kv`) likewise: the same outputs and caches,
     bit for bit, as the separate store."""
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     calls = {"store": 0, "rope+store": 0}
 
     def counting_store(*args: object) -> None:
@@ -1174,7 +1177,7 @@ def test_exponential_race_nan_wins_like_torch(rng) -> None:
     assert torch.equal(triton_exponential_race(probs, seed, pos, 9), expected)
 
 
-def test_sampling_same_with_triton_backend(rng, monkeypatch) -> None:
+def test_sampling_same_with_triton_backend(rng, monkeypatch, set_policy) -> None:
     """sample() and the rejection sampler with the Triton hash/race against the torch ones."""
     num_rows, n, vocab = 4, 3, 300
     seed, pos = seeds_and_positions(rng, num_rows)
@@ -1194,7 +1197,7 @@ def test_sampling_same_with_triton_backend(rng, monkeypatch) -> None:
     target_logits = target_logits + 0.5 * randn(rng, num_rows, n + 1, vocab)
 
     def run(backend: str) -> list[torch.Tensor]:
-        monkeypatch.setenv("BLOCKDRAFT_ATTENTION", backend)
+        set_policy(backend=backend)
         drafts, q = sample_drafts(draft_logits, st)
         out, accepted = rejection_sample(target_logits, drafts, q, st)
         one_hot_out, one_hot_accepted = rejection_sample(target_logits, drafts, None, st)
@@ -1222,8 +1225,8 @@ def test_sampling_same_with_triton_backend(rng, monkeypatch) -> None:
 # --- backend selection ---------------------------------------------------------------------
 
 
-def test_backend_selection(monkeypatch) -> None:
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+def test_backend_selection(monkeypatch, set_policy) -> None:
+    set_policy(backend="torch")
     assert select.get_attention_backend(DEVICE) is paged_attention
     assert select.get_store_kv_backend(DEVICE) is store_kv
     assert select.get_rms_norm_backend(DEVICE) is rms_norm_torch
@@ -1233,7 +1236,7 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs_torch
     assert select.get_hashed_uniform_backend(DEVICE) is hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is exponential_race_torch
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
     assert select.get_rms_norm_backend(DEVICE) is triton_rms_norm
@@ -1243,13 +1246,12 @@ def test_backend_selection(monkeypatch) -> None:
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs
     assert select.get_hashed_uniform_backend(DEVICE) is triton_hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is triton_exponential_race
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
+    set_policy(backend="auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "flash")
-    with pytest.raises(ValueError):
-        select.get_attention_backend(DEVICE)
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    with pytest.raises(ValueError, match="backend"):
+        set_policy(backend="flash")
+    set_policy(backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         select.get_attention_backend("cpu")
@@ -1302,15 +1304,17 @@ def test_engine_greedy_same_with_triton_kernels(
             "num_speculative_tokens": 3,
         }
 
-    def generate(backend: str) -> list[list[int]]:
-        monkeypatch.setenv("BLOCKDRAFT_ATTENTION", backend)
-        llm = LLM(str(target), dtype="float32", **engine_args)
+    def generate(policy: KernelPolicy) -> list[list[int]]:
+        llm = LLM(str(target), dtype="float32", kernel_policy=policy, **engine_args)
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    expected = generate("torch")
+    expected = generate(KernelPolicy(backend="torch"))
     calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
+    triton_policy = KernelPolicy(backend="triton")
     if rope_rows is not None:
-        monkeypatch.setattr(triton_attention, "ROPE_IN_ATTENTION_MAX_QUERY_LEN", rope_rows)
+        triton_policy = dataclasses.replace(
+            triton_policy, rope_in_attention_max_query_len=rope_rows
+        )
         del calls["rope"]  # every launch here (chunks of <= 8 rows) fits the attention kernel
     if not speculative or rope_rows is not None:  # (DFlash steps verify: no decode forward)
         # Decode forwards (and blocks, with rope_rows) norm, rotate and store the step's
@@ -1349,7 +1353,7 @@ def test_engine_greedy_same_with_triton_kernels(
         return triton_qk_norm_rope(*args, **kwargs)
 
     def counting_rope_store(*args: object, **kwargs: object) -> object:
-        # decoder.FUSE_KV_STORE_INTO_ROPE: the same norm + RoPE, storing K/V as it goes
+        # fuse_kv_store_into_rope: the same norm + RoPE, storing K/V as it goes
         calls["rope" if args[0] is not None else "rope keys only"] += 1
         return triton_qk_norm_rope_store(*args, **kwargs)
 
@@ -1362,7 +1366,7 @@ def test_engine_greedy_same_with_triton_kernels(
     for module in (triton_rope, triton_attention):  # the drafter's context path, the layers'
         monkeypatch.setattr(module, "triton_qk_norm_rope_store", counting_rope_store)
     monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
-    got = generate("triton")
+    got = generate(triton_policy)
     # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE,
     # the MLP activations (and the drafter's inputs) all ran in Triton.
     assert all(calls.values()), f"the engine skipped a Triton backend: {calls}"

@@ -1,8 +1,9 @@
-"""Programmatic dependent launch (`blockdraft.kernels.pdl`): when it is on, the L2 prefetch
-budget, and that the PDL variants of the decode path's kernels compile for Hopper (sm_90) with
-their wait / launch-dependents / prefetch instructions, which the CPU can check: Triton
-compiles to a cubin here, only the launch needs a GPU."""
+"""Programmatic dependent launch (`blockdraft.kernels.pdl`): where the kernel policy puts it,
+and that the PDL variants of the decode path's kernels compile for Hopper (sm_90) with their
+wait / launch-dependents instructions, which the CPU can check: Triton compiles to a cubin here,
+only the launch needs a GPU."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,39 +15,12 @@ import torch
 pytest.importorskip("triton")
 
 from blockdraft.kernels import pdl  # noqa: E402
-from blockdraft.kernels.forward_context import AttentionMetadata, forward_context  # noqa: E402
-
-
-def test_prefetch_budget() -> None:
-    """The first wave (two programs per SM) shares the L2 budget; 16-byte units; nothing for
-    unaligned rows or shares under 1 KB; never more than the row."""
-    budget = 32 * 1024**2
-    # o_proj at 16 rows: 128 programs of 32 rows, 8 KB rows: each whole row fits.
-    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True, budget) == 8192
-    # gate_up: 768 programs, 264 resident, 32 rows each: 32 MiB / (264 * 32) rounded to 16.
-    share = pdl.prefetch_bytes_per_row(768, 32, 8192, 132, True, budget)
-    assert share == budget // (264 * 32) // 16 * 16 and share * 264 * 32 <= budget
-    assert pdl.prefetch_bytes_per_row(768, 32, 8192, 132, False, budget) == 0
-    assert pdl.prefetch_bytes_per_row(10_000, 128, 8192, 132, True, budget) == 0  # < 1 KB
-    assert pdl.prefetch_bytes_per_row(0, 32, 8192, 132, True, budget) == 0
-
-
-def test_prefetch_budget_from_environment(monkeypatch) -> None:
-    """No prefetch unless BLOCKDRAFT_PDL_PREFETCH_MIB asks for a budget; bad values are
-    named."""
-    monkeypatch.delenv(pdl.PREFETCH_ENV_VAR, raising=False)
-    assert pdl.l2_prefetch_budget() == pdl.L2_PREFETCH_BUDGET == 0
-    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True) == 0
-    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "16")
-    assert pdl.l2_prefetch_budget() == 16 * 1024**2
-    share = pdl.prefetch_bytes_per_row(768, 32, 8192, 132, True)
-    assert 1024 <= share and share * 264 * 32 <= 16 * 1024**2
-    monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, "0")
-    assert pdl.prefetch_bytes_per_row(128, 32, 8192, 132, True) == 0
-    for bad in ("-1", "lots", "nan"):
-        monkeypatch.setenv(pdl.PREFETCH_ENV_VAR, bad)
-        with pytest.raises(ValueError, match=pdl.PREFETCH_ENV_VAR):
-            pdl.l2_prefetch_budget()
+from blockdraft.kernels.forward_context import (  # noqa: E402
+    AttentionMetadata,
+    forward_context,
+    use_kernel_policy,
+)
+from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
 
 def _metadata(max_query_len: int) -> AttentionMetadata:
@@ -55,65 +29,39 @@ def _metadata(max_query_len: int) -> AttentionMetadata:
 
 
 def test_policy_decode_forwards_only(monkeypatch) -> None:
-    """Unset: PDL only inside a forward whose requests each have one query row (decode), on a
-    device that has it; =1 everywhere; =0 nowhere; never on the CPU."""
+    """The default policy: PDL only inside a forward whose requests each have one query row
+    (decode), on a device that has it; never on the CPU; `pdl=False` nowhere;
+    `pdl_max_query_len` raises the row limit."""
     monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: True)
     cuda = torch.device("cuda", 0)
-    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
     assert not pdl.pdl_enabled(cuda)  # outside a forward (the LM head, samplers)
     with forward_context(_metadata(1)):
         assert pdl.pdl_enabled(cuda) and not pdl.pdl_enabled(torch.device("cpu"))
-        monkeypatch.setenv(pdl.ENV_VAR, "0")
-        assert not pdl.pdl_enabled(cuda)
-        monkeypatch.delenv(pdl.ENV_VAR)
+        with use_kernel_policy(KernelPolicy(pdl=False)):
+            assert not pdl.pdl_enabled(cuda)
+        assert pdl.pdl_enabled(cuda)
     with forward_context(_metadata(16)):  # verify / drafter block
         assert not pdl.pdl_enabled(cuda)
-        monkeypatch.setenv(pdl.ENV_VAR, "1")
+    wide = KernelPolicy(pdl_max_query_len=16)
+    with forward_context(_metadata(16), wide):
         assert pdl.pdl_enabled(cuda)
-    assert pdl.pdl_enabled(cuda)
-    monkeypatch.delenv(pdl.ENV_VAR)
-    monkeypatch.setattr(pdl, "PDL_MAX_QUERY_LEN", 16)  # the policy's row limit, raised
-    with forward_context(_metadata(16)):
-        assert pdl.pdl_enabled(cuda)
-    with forward_context(_metadata(17)):  # a prefill chunk
+    with forward_context(_metadata(17), wide):  # a prefill chunk
+        assert not pdl.pdl_enabled(cuda)
+    with forward_context(_metadata(1), dataclasses.replace(wide, pdl=False)):
         assert not pdl.pdl_enabled(cuda)
     monkeypatch.setattr(pdl, "_device_has_pdl", lambda index: False)  # pre-Hopper / old Triton
-    assert not pdl.pdl_enabled(cuda)
+    with forward_context(_metadata(1)):
+        assert not pdl.pdl_enabled(cuda)
 
 
-def test_gemm_trigger_from_environment(monkeypatch) -> None:
-    """The skinny GEMM lets its successor launch on exit unless BLOCKDRAFT_PDL_GEMM_TRIGGER
-    says start or end; bad values are named."""
-    monkeypatch.delenv(pdl.TRIGGER_ENV_VAR, raising=False)
-    assert pdl.gemm_trigger() == pdl.GEMM_TRIGGER
-    for value, expected in (("start", 1), ("END", 2), ("off", 0), ("0", 0)):
-        monkeypatch.setenv(pdl.TRIGGER_ENV_VAR, value)
-        assert pdl.gemm_trigger() == expected
-    monkeypatch.setenv(pdl.TRIGGER_ENV_VAR, "sometimes")
-    with pytest.raises(ValueError, match=pdl.TRIGGER_ENV_VAR):
-        pdl.gemm_trigger()
-
-
-def test_prefetch_chunks() -> None:
-    """Pieces per row: rows x pieces up to the program's thread count, none under 1 KB, powers
-    of two."""
-    assert pdl.prefetch_chunks(32, 4, 8192) == 4  # 128 lanes for 128 threads, 2 KB pieces
-    assert pdl.prefetch_chunks(8, 4, 8192) == 8  # 1 KB pieces: 64 lanes
-    assert pdl.prefetch_chunks(16, 8, 65536) == 16  # 256 lanes for 256 threads
-    assert pdl.prefetch_chunks(128, 4, 8192) == 1  # more rows than threads
-    assert pdl.prefetch_chunks(16, 4, 1024) == 1
-
-
-def test_only_on_cuda(monkeypatch) -> None:
-    monkeypatch.setenv(pdl.ENV_VAR, "1")
-    assert not pdl.pdl_enabled(torch.device("cpu"))
+def test_only_on_cuda() -> None:
+    with forward_context(_metadata(1)):
+        assert not pdl.pdl_enabled(torch.device("cpu"))
     assert pdl.launch_options(False) == {} and pdl.launch_options(True) == {"launch_pdl": True}
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
-    assert not pdl.pdl_enabled(torch.device("cuda", 0))  # off by the environment alone
 
 
 # Compiles each kernel for sm_90 with PDL on and off and prints, per variant, how many
-# griddepcontrol and L2-prefetch instructions its PTX has. A subprocess: the test session runs
+# griddepcontrol instructions its PTX has. A subprocess: the test session runs
 # Triton's interpreter, whose kernels cannot be compiled.
 COMPILE_SCRIPT = r"""
 import json, triton
@@ -148,13 +96,11 @@ def count(kernel, const, out_f32=False, **options):
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = c.asm["ptx"]
     return {"wait": ptx.count("griddepcontrol.wait"),
-            "launch": ptx.count("griddepcontrol.launch_dependents"),
-            "prefetch": ptx.count("cp.async.bulk.prefetch.L2"), "cubin": len(c.asm["cubin"]),
+            "launch": ptx.count("griddepcontrol.launch_dependents"), "cubin": len(c.asm["cubin"]),
             "atomics": ptx.count("atom."), "local": ptx.count("st.local")}
 
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
-              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3, PREFETCH_CHUNKS=4,
-              TRIGGER=0)
+              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
 # A split decode-shaped attention launch; the variants below change what they name.
 attention = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
                  USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=False,
@@ -166,10 +112,7 @@ variants = {
     "skinny 1 row + norm": (_skinny_matmul_kernel,
                             dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=True,
                                  HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),
-    "skinny trigger at start": (_skinny_matmul_kernel,
-                                dict(skinny, BLOCK_M=16, USE_DOT=True, TRIGGER=1), {}),
-    "skinny 1 row trigger after loads": (_skinny_matmul_kernel,
-                                         dict(skinny, BLOCK_M=1, USE_DOT=False, TRIGGER=2), {}),
+    "skinny 1 row": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=1, USE_DOT=False), {}),
     "attention split": (_paged_attention_kernel, attention, {}),
     "attention verify + rope": (
         _paged_attention_kernel,
@@ -205,11 +148,6 @@ def test_pdl_kernels_compile_for_hopper() -> None:
     for name, c in counts.items():
         assert c["cubin"] > 0, name
         if name.endswith("pdl=False"):
-            assert c["wait"] == c["launch"] == c["prefetch"] == 0, (name, c)
-        elif name.startswith("skinny"):
-            # Prefetch the weights, then wait; a GEMM lets its successor launch on exit, or
-            # where TRIGGER says.
-            launches = 1 if "trigger" in name else 0
-            assert c["wait"] == 1 and c["prefetch"] == 1 and c["launch"] == launches, (name, c)
-        else:  # short kernels: let the next kernel launch, then wait
-            assert c["wait"] == 1 and c["launch"] == 1 and c["prefetch"] == 0, (name, c)
+            assert c["wait"] == c["launch"] == 0, (name, c)
+        else:  # short kernels: let the next kernel launch, then wait; a GEMM after its loads
+            assert c["wait"] == 1 and c["launch"] == 1, (name, c)

@@ -23,6 +23,7 @@ pytest.importorskip("triton")
 
 from blockdraft.kernels import select  # noqa: E402
 from blockdraft.kernels.linear import skinny_linear_torch  # noqa: E402
+from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
 from blockdraft.kernels.triton_linear import (  # noqa: E402
     DEFAULT_CONFIGS,
     SkinnyConfig,
@@ -33,7 +34,7 @@ from blockdraft.models import decoder  # noqa: E402
 from blockdraft.models.decoder import MLP, DecoderLM, linear  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
-INTERPRETED = select._interpreting()
+INTERPRETED = triton_interpreting()
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
@@ -179,12 +180,12 @@ def test_skinny_linear_empty_and_leading_dims(rng) -> None:
 # --- backend selection and the decoder's helper -----------------------------------------------
 
 
-def test_linear_backend_selection(monkeypatch) -> None:
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "torch")
+def test_linear_backend_selection(set_policy) -> None:
+    set_policy(backend="torch")
     assert select.get_linear_backend(DEVICE) is skinny_linear_torch
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     assert select.get_linear_backend(DEVICE) is skinny_linear
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "auto")
+    set_policy(backend="auto")
     expected = skinny_linear if DEVICE.type == "cuda" else skinny_linear_torch
     assert select.get_linear_backend(DEVICE) is expected
 
@@ -194,12 +195,12 @@ def test_torch_twin_is_f_linear(rng) -> None:
     assert torch.equal(skinny_linear_torch(x, w, b), F.linear(x, w, b))
 
 
-def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) -> None:
+def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch, set_policy) -> None:
     def forbidden(device: torch.device) -> None:
         raise AssertionError("the skinny GEMM was chosen")
 
     monkeypatch.setattr(decoder, "get_linear_backend", forbidden)
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
     x, w, b = x.cpu(), w.cpu(), b.cpu()
     # On the CPU: F.linear itself, bit for bit, even with the Triton backend forced.
@@ -212,11 +213,11 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) 
     assert w.grad is not None
 
 
-def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
+def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
     """With the device allowed (the interpreter on CPU), an MLP's gate_up and down projections
     and the LM head go through the skinny GEMM for up to SKINNY_MAX_ROWS rows outside autograd,
     and through F.linear otherwise."""
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
     monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # wider than the default (2)
     calls = []
@@ -312,14 +313,14 @@ def test_skinny_linear_silu_mul_input_errors(rng) -> None:
 
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
+def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, set_policy, fuse: bool) -> None:
     """With FUSE_SILU_MUL_INTO_DOWN, an MLP with fused projections runs its down projection
     on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
     SILU_MUL_PROLOGUE_MAX_ROWS rows (set here to 16, past the norm prologue's 2: the 16-row
     tensor-core path too), the unfused output (bit for bit on the row-by-row path); past that
     (the skinny GEMM, then F.linear past SKINNY_MAX_ROWS), or with the flag off, nothing
     changes."""
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
     monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 20)
     monkeypatch.setattr(decoder, "PROLOGUE_MAX_ROWS", 2)
@@ -450,12 +451,14 @@ class StubAttention(nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: torch.dtype) -> None:
+def test_decoder_fuses_norms_into_skinny(
+    rng, monkeypatch, set_policy, fuse: bool, dtype: torch.dtype
+) -> None:
     """With FUSE_NORM_INTO_SKINNY, a Qwen3-style model (q/k norms) with fused projections runs
     each layer's two add + norms in the q/k/v and gate/up GEMMs for up to PROLOGUE_MAX_ROWS rows,
     bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
     sum the residual stream); past that, or with the flag off, nothing changes."""
-    monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
+    set_policy(backend="triton")
     monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
     # Skinny up to 4 rows, its prologues up to PROLOGUE_MAX_ROWS (2) only.
     monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 4)

@@ -4,10 +4,13 @@ request by one step per `step()` call."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +41,7 @@ from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.engine.warmup import warm_up_eager_steps
+from blockdraft.kernels.forward_context import use_kernel_policy
 from blockdraft.models.decoder import DecoderLM, fuse_projections
 from blockdraft.models.dflash import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
@@ -56,6 +60,21 @@ from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_dra
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
+
+
+T = TypeVar("T")
+
+
+def under_kernel_policy(method: Callable[..., T]) -> Callable[..., T]:
+    """An LLMEngine method whose kernels (forwards, sampling, drafts, graph captures) follow the
+    engine's `config.kernel_policy`."""
+
+    @functools.wraps(method)
+    def wrapper(self: LLMEngine, *args: object, **kwargs: object) -> T:
+        with use_kernel_policy(self.config.kernel_policy):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class LLMEngine:
@@ -187,6 +206,7 @@ class LLMEngine:
             "in %.1f s)", self.load_time_s, self.capture_time_s, self.warmup_time_s,
         )
 
+    @under_kernel_policy
     def capture_graphs(self, batch_sizes: list[int]) -> None:
         """Captures the uniform steps: decode at every batch bucket; verify (target) and
         propose (drafter) of 1+N rows for each N of the draft schedule, at the buckets of the
@@ -220,6 +240,7 @@ class LLMEngine:
             torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
 
+    @under_kernel_policy
     def warm_up(self) -> None:
         """Runs the eager steps whose kernel variants graph capture does not compile
         (blockdraft/engine/warmup.py)."""
@@ -332,6 +353,7 @@ class LLMEngine:
 
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
+    @under_kernel_policy
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the state of every request that got new tokens or
         finished (finished ones are forgotten afterwards)."""

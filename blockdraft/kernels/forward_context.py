@@ -1,8 +1,10 @@
-"""Per-step attention metadata, set once per forward and read by every attention layer.
+"""Per-step attention metadata, set once per forward and read by every attention layer, and
+the kernel policy the kernels launched meanwhile follow.
 
 It lives at the bottom of the import graph (next to the kernels) so that layers never import
 the engine: the runner builds an `AttentionMetadata`, enters `forward_context(meta)`, and runs
-the model.
+the model; the engine enters its `KernelPolicy` (`use_kernel_policy`) around its forwards and
+the sampling between them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from blockdraft.kernels.policy import KernelPolicy
 
 PAD_SLOT_ID = -1
 
@@ -42,16 +46,43 @@ class AttentionMetadata:
 
 
 _current: AttentionMetadata | None = None
+_policy = KernelPolicy()  # outside any use_kernel_policy: the defaults
 
 
 @contextmanager
-def forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
+def forward_context(
+    meta: AttentionMetadata | None, policy: KernelPolicy | None = None
+) -> Iterator[None]:
+    """A forward over `meta`, under `policy` (None: the active one)."""
     global _current
     previous, _current = _current, meta
     try:
-        yield
+        if policy is None:
+            yield
+        else:
+            with use_kernel_policy(policy):
+                yield
     finally:
         _current = previous
+
+
+@contextmanager
+def use_kernel_policy(policy: KernelPolicy) -> Iterator[None]:
+    """Kernels launched inside follow `policy`: the engine's forwards and sampling, training,
+    tests."""
+    global _policy
+    if not isinstance(policy, KernelPolicy):
+        raise TypeError(f"expected a KernelPolicy, got {type(policy).__name__}")
+    previous, _policy = _policy, policy
+    try:
+        yield
+    finally:
+        _policy = previous
+
+
+def current_kernel_policy() -> KernelPolicy:
+    """The active policy: the innermost `use_kernel_policy`'s, else `KernelPolicy()`."""
+    return _policy
 
 
 def current_attention_metadata() -> AttentionMetadata | None:

@@ -1,13 +1,13 @@
 """Chooses between the pure-torch kernels and their Triton twins.
 
-BLOCKDRAFT_ATTENTION=torch|triton forces a backend for attention, the KV store, RMSNorm, the
-q/k norm + rotary embedding (also with the KV store fused in), the MLP's SiLU-and-multiply,
-the few-row linears, the DFlash drafter's input preparation, its training loss (LM head +
-cross-entropy), and the sampler's hashed uniforms and exponential race (unset or "auto": Triton
-on CUDA when it imports, torch otherwise).
-Triton on a CPU tensor only runs under its interpreter, which reads TRITON_INTERPRET=1 when
-triton is first imported: so this module imports the Triton kernels lazily, on the first call
-that wants them.
+The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current_kernel_policy`)
+decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
+store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
+preparation, its training loss (LM head + cross-entropy), and the sampler's hashed uniforms and
+exponential race: "auto" is Triton on CUDA when it imports, torch otherwise; "torch" / "triton"
+force one. Triton on a CPU tensor only runs under its interpreter, which reads
+TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton kernels
+lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -20,15 +20,13 @@ residual sampled at all N+1 rows instead of only at the first rejection.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
 import torch
 
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
+from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
@@ -39,6 +37,7 @@ from blockdraft.kernels.rope import (
     silu_mul_torch,
 )
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform
+from blockdraft.kernels.triton_env import triton_available, triton_interpreting
 
 AttentionFn = Callable[..., torch.Tensor]
 StoreKVFn = Callable[..., None]
@@ -50,29 +49,24 @@ LinearFn = Callable[..., torch.Tensor]
 HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
 
-ENV_VAR = "BLOCKDRAFT_ATTENTION"
-# The sampler's kernels (hashed uniforms, exponential race) under "auto" on CUDA. Bit-exact to
-# their twins compiled on an H200 (tests/test_kernels.py with TRITON_INTERPRET=0) and faster:
-# a temperature-1 decode step of SmolLM2-135M took half the time of the torch twins' (~85 small
-# launches), 4.99 -> 4.73 ms on Qwen3-8B shapes (BENCHMARKS.md, run VIII).
-TRITON_SAMPLER_ON_CUDA = True
-
 Fn = TypeVar("Fn")
 
 
 class PerDevice(Generic[Fn]):
-    """A backend getter resolved once per device, for modules that need their kernel on every
-    forward. Per instance, not cached process-wide: the choice reads the environment, which
-    tests change between engines."""
+    """A backend getter resolved once per (device, policy backend), for modules that need their
+    kernel on every forward: the check is a comparison, the getter runs again only when the
+    device or the active policy's backend changes."""
 
     def __init__(self, getter: Callable[[torch.device], Fn]) -> None:
         self.getter = getter
-        self._resolved: tuple[torch.device, Fn] | None = None
+        self._resolved: tuple[torch.device, str, Fn] | None = None
 
     def __call__(self, device: torch.device) -> Fn:
-        if self._resolved is None or self._resolved[0] != device:
-            self._resolved = (device, self.getter(device))
-        return self._resolved[1]
+        backend = current_kernel_policy().backend
+        resolved = self._resolved
+        if resolved is None or resolved[0] != device or resolved[1] != backend:
+            resolved = self._resolved = (device, backend, self.getter(device))
+        return resolved[2]
 
 
 def needs_autograd(*tensors: torch.Tensor | None) -> bool:
@@ -81,36 +75,22 @@ def needs_autograd(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-@functools.cache  # find_spec searches sys.path: once per process, not per call
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
-def _forced_triton() -> bool:
-    return os.environ.get(ENV_VAR, "auto").strip().lower() == "triton"
-
-
 def use_triton(device: torch.device | str | None = None) -> bool:
-    """Whether kernels for tensors on `device` should be the Triton ones."""
+    """Whether kernels for tensors on `device` should be the Triton ones, by the active
+    policy's backend."""
     device = torch.device(device if device is not None else "cpu")
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if choice == "torch":
+    backend = current_kernel_policy().backend
+    if backend == "torch":
         return False
-    if choice == "triton":
+    if backend == "triton":
         if not triton_available():
-            raise RuntimeError(f"{ENV_VAR}=triton but triton is not installed")
-        if device.type != "cuda" and not _interpreting():
+            raise RuntimeError("kernel backend 'triton' but triton is not installed")
+        if device.type != "cuda" and not triton_interpreting():
             raise RuntimeError(
-                f"{ENV_VAR}=triton on {device.type} needs TRITON_INTERPRET=1 (set before "
+                f"kernel backend 'triton' on {device.type} needs TRITON_INTERPRET=1 (set before "
                 "triton is imported)"
             )
         return True
-    if choice != "auto":
-        raise ValueError(f"{ENV_VAR} must be torch, triton or auto; got {choice!r}")
     return device.type == "cuda" and triton_available()
 
 
@@ -211,7 +191,7 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
 def get_hashed_uniform_backend(device: torch.device | str | None = None) -> HashedUniformFn:
     """`fn(seed, position, salt, width=None) -> [R] | [R, width] float32`, the counter-based
     uniforms of `blockdraft.kernels.sampling.hashed_uniform`, bit for bit; same switch."""
-    if use_triton(device) and (TRITON_SAMPLER_ON_CUDA or _forced_triton()):
+    if use_triton(device):
         from blockdraft.kernels import triton_sampling
 
         return triton_sampling.triton_hashed_uniform
@@ -223,7 +203,7 @@ def get_exponential_race_backend(device: torch.device | str | None = None) -> Ra
     hashed uniforms of width V (lowest index on ties); same switch. The Triton kernel's log may
     differ from torch's by an ulp, so a near-exact tie between the top two scores can resolve
     the other way."""
-    if use_triton(device) and (TRITON_SAMPLER_ON_CUDA or _forced_triton()):
+    if use_triton(device):
         from blockdraft.kernels import triton_sampling
 
         return triton_sampling.triton_exponential_race

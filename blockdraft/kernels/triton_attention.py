@@ -15,7 +15,7 @@ the attention kernel itself: each program counts itself done on a per-(sequence,
 counter and the last one merges the group's partials (no second launch on the decode path).
 
 A launch whose sequences' query rows each fit one tile (decode, by default only decode:
-ROPE_IN_ATTENTION_MAX_QUERY_LEN) can also take the step's q/k/v raw (`step_kv`, through
+KernelPolicy.rope_in_attention_max_query_len) can also take the step's q/k/v raw (`step_kv`, through
 `triton_rope_store_attention`): each program norms and rotates its queries, and stores the
 step's keys (normed, rotated) and values whose positions fall in its key range before reading
 its keys, which saves the RoPE kernel's launch.
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockdraft.kernels.forward_context import AttentionMetadata
+from blockdraft.kernels.forward_context import AttentionMetadata, current_kernel_policy
 from blockdraft.kernels.pdl import launch_options, num_sms, pdl_enabled, pdl_start
 from blockdraft.kernels.triton_rope import triton_qk_norm_rope_store
 
@@ -503,45 +503,30 @@ def choose_num_splits(
         return 1
     want = -(-2 * sms // programs)  # about two waves of programs
     # Splits of one 64-key tile still pay: a batch-1 decode over 512-1k keys is otherwise a
-    # handful of programs walking the keys serially. H200, Qwen3-8B shapes, 36 layers
-    # (benchmarks/attention_bench.py): 512 / 768 keys, 1 query row 8.9 / 8.5 us a layer with
-    # splits of two tiles, 6.3 / 7.6 with one; 16 rows 11.0 / 11.2, and 8.7 / 9.4 with 32-key
-    # tiles in 12-16 splits. SmolLM2-135M shapes: better in 7 of 8 cases too (BENCHMARKS.md).
+    # handful of programs walking the keys serially (H200, Qwen3-8B shapes, attention_bench:
+    # 6.3-7.6 vs 8.5-8.9 us a layer with splits of two tiles at 512-768 keys).
     return max(1, min(want, max_seq_len // 64, 64))
 
 
 # 2-16 query rows (verify, drafter blocks) take 32-key tiles where a program walks at most this
-# many keys (split-K over a short context: 64-173 keys a program in the runs that chose it).
-# Over longer walks 64-key tiles won at batch 1 and 32 and lost at batch 8 (H200, Qwen3-8B
-# shapes, 16 rows, 1k-16k keys, `attention_bench.py --no-sweep --short-split-keys`; BENCHMARKS.md
-# run XIII), so they keep 64.
+# many keys (split-K over a short context); over longer walks 64-key tiles are as fast or
+# faster (H200, Qwen3-8B shapes, 16 rows, 1k-16k keys, `attention_bench.py --short-split-keys`).
 SHORT_SPLIT_KEYS = 256
 
 
 # Splits the reduction merges per pass: 16, or 64 past 16 splits (choose_num_splits' cap), not
-# the next power of two of the split count, which grows with the context: each new one was a
-# Triton compile in the middle of serving (an eager launch, e.g. a prefix-cache hit's short
+# the next power of two of the split count, which grows with the context: each new one would be
+# a Triton compile in the middle of serving (an eager launch, e.g. a prefix-cache hit's short
 # tail). Two sizes, so that long contexts still merge in one pass (passes of 16 cost 0.8-1.0 us
 # a layer more at batch 1 over 4k-16k keys, 33 splits; H200, attention_bench).
 REDUCE_SPLITS_PER_PASS = (16, 64)
 
 # Decode launches (one query row a sequence) with a split counter buffer merge their splits in
-# the attention kernel's last program, up to this many splits (all in one [group, splits,
-# head_dim] tile, at most DECODE_MERGE_MAX_TILE elements: a GQA group of 4 at head_dim 128 on
-# the kernel's 2 warps); more go to the reduce kernel. FUSE_DECODE_SPLIT_MERGE = False: always
-# the reduce kernel (A/B runs).
+# the attention kernel's last program (KernelPolicy.fuse_decode_split_merge), up to this many
+# splits (all in one [group, splits, head_dim] tile, at most DECODE_MERGE_MAX_TILE elements: a
+# GQA group of 4 at head_dim 128 on the kernel's 2 warps); more go to the reduce kernel.
 DECODE_MERGE_MAX_SPLITS = 16
 DECODE_MERGE_MAX_TILE = 8192
-FUSE_DECODE_SPLIT_MERGE = True
-# Forwards of at most this many query rows a sequence run their q/k norm, RoPE and KV store in
-# the attention kernel (`triton_rope_store_attention`) instead of a kernel of their own before
-# it, where one tile holds each sequence's rows; 0: never (A/B runs). 1, decode only, as
-# measured on the H200 (Qwen3-8B shapes, gpu_bench --ablate, BENCHMARKS.md run XVI): decode
-# step 4.26 -> 4.25 ms at batch 1, 4.91 -> 4.86 at batch 8 (the separate kernel cost 0.10 ms a
-# batch-1 step, but its work now sits on the attention programs' path). 16 takes verify and
-# drafter blocks too, measured in run XVII: DFlash N = 15 step 6.06 / 6.06 ms against 6.06 /
-# 6.07 at batch 1, 7.96 / 7.94 against 7.60 / 7.73 at batch 8, so not the default.
-ROPE_IN_ATTENTION_MAX_QUERY_LEN = 1
 
 
 def _reduce_splits_per_pass(num_splits: int) -> int:
@@ -558,14 +543,13 @@ def _block_m(max_query_len: int, group: int) -> int:
 
 def _block_n(max_query_len: int, head_dim: int, keys_per_program: int) -> int:
     if keys_per_program <= SHORT_SPLIT_KEYS and 1 < max_query_len <= 16:
-        return 32  # verify and drafter blocks over short splits (measured above)
+        return 32  # verify and drafter blocks over short splits (SHORT_SPLIT_KEYS)
     return 64 if head_dim <= 128 else 32
 
 
 def _num_warps(block_m: int, block_d: int) -> int:
-    # A decode query's 16-row GQA tile on 2 warps, at every context length measured: per layer
-    # 6.3-7.6 vs 8.5-8.9 us at 512-768 keys (batch 1, run XII), and 10-21% faster than 4 warps
-    # at 4k-16k keys (batch 1 and 8) and 1k-16k (batch 32) in run XIII.
+    # A decode query's 16-row GQA tile on 2 warps: 10-21% faster than 4 warps at 1k-16k keys
+    # and batch 1-32 (H200, attention_bench).
     if block_m <= 16:
         return 2
     return 4 if block_m * block_d <= 64 * 128 else 8
@@ -661,7 +645,7 @@ def triton_paged_attention(
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge = (
         split
-        and FUSE_DECODE_SPLIT_MERGE
+        and current_kernel_policy().fuse_decode_split_merge
         and meta.max_query_len == 1
         and num_splits <= DECODE_MERGE_MAX_SPLITS
         and triton.next_power_of_2(group) * DECODE_MERGE_MAX_SPLITS * block_d
@@ -809,7 +793,7 @@ def rope_fits_attention(
     """Whether the attention kernel can norm, rotate and store this step itself (`step_kv`)."""
     rows, group = meta.max_query_len, query.shape[1] // max(key.shape[1], 1)
     return (
-        0 < rows <= ROPE_IN_ATTENTION_MAX_QUERY_LEN
+        0 < rows <= current_kernel_policy().rope_in_attention_max_query_len
         and group >= 1
         and _block_m(rows, group) // group >= rows  # one tile a sequence
         and _step_kv_problem(query, key, value, q_norm_weight, k_norm_weight) is None
@@ -837,7 +821,7 @@ def triton_rope_store_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`triton_qk_norm_rope_store` then `triton_paged_attention` on the rotated queries: the
     `rope_store_attention_torch` contract. A decode forward does both in the attention kernel
-    (ROPE_IN_ATTENTION_MAX_QUERY_LEN), one launch a layer less."""
+    (KernelPolicy.rope_in_attention_max_query_len), one launch a layer less."""
     if rope_fits_attention(query, key, value, q_norm_weight, k_norm_weight, meta):
         step_kv = StepKV(key, value, positions, cos_cache, sin_cache, q_norm_weight,
                          k_norm_weight, eps, meta.slot_mapping)  # fmt: skip

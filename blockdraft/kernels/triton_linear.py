@@ -51,16 +51,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.linear import skinny_linear_torch
-from blockdraft.kernels.pdl import (
-    gemm_trigger,
-    l2_prefetch_budget,
-    launch_options,
-    num_sms,
-    pdl_enabled,
-    prefetch_bytes_per_row,
-    prefetch_chunks,
-    prefetch_rows_l2,
-)
+from blockdraft.kernels.pdl import launch_options, pdl_enabled
 
 __all__ = ["DEFAULT_CONFIGS", "SkinnyConfig", "skinny_linear", "skinny_linear_torch"]
 
@@ -189,7 +180,7 @@ def _store_rows(
 
 # M is not specialised (Triton would compile M == 1 and M % 16 == 0 apart): one compile per
 # config serves every row count, and the clamps and store masks on M cost nothing here.
-@triton.jit(do_not_specialize=["M", "prefetch_bytes"])
+@triton.jit(do_not_specialize=["M"])
 def _skinny_matmul_kernel(
     x_ptr,  # [M, K], unit column stride; with SILU_MUL [M, 2K], gate then up
     w_ptr,  # [N, K], unit column stride
@@ -209,7 +200,6 @@ def _skinny_matmul_kernel(
     stride_rom,
     k_per_split,  # a multiple of BLOCK_K
     eps,  # the norm's epsilon; with RMS_NORM
-    prefetch_bytes,  # with PDL: bytes of each W row (from the split's start) to prefetch, or 0
     BLOCK_M: tl.constexpr,  # 16 with USE_DOT; 1, 2 or 4 without
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -223,8 +213,6 @@ def _skinny_matmul_kernel(
     NORM_BLOCK: tl.constexpr,  # next_power_of_2(K) with RMS_NORM, else 1
     NUM_STAGES: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
-    PREFETCH_CHUNKS: tl.constexpr,  # with PDL: pieces per W row of the L2 prefetch
-    TRIGGER: tl.constexpr,  # with PDL: successor launches at 1 the start, 2 the last W chunk
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -240,18 +228,7 @@ def _skinny_matmul_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BN, BK]
     # Program 0 along N, split 0, stores the residual stream of its rows: one writer each.
     writer = (pid_n == 0) & (pid_k == 0)
-    if PDL and TRIGGER == 1:
-        tl.extra.cuda.gdc_launch_dependents()
-    if PDL:
-        # W is never written by the step: stream it towards L2 while the previous kernel
-        # finishes, then wait for that kernel before the first read of x.
-        # (A short trailing split skips it: its rows end before prefetch_bytes.)
-        elem_bytes: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        if prefetch_bytes > 0 and k_len * elem_bytes >= prefetch_bytes:
-            prefetch_rows_l2(
-                w_ptr + k_start, pid_n * BLOCK_N, N, stride_wn, prefetch_bytes, BLOCK_N,
-                PREFETCH_CHUNKS,
-            )  # fmt: skip
+    if PDL:  # wait for the previous kernel before the first read of x
         tl.extra.cuda.gdc_wait()
     if USE_DOT:
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -285,7 +262,7 @@ def _skinny_matmul_kernel(
             x_ptrs += BLOCK_K
             res_ptrs += BLOCK_K
             nw_ptrs += BLOCK_K
-        if PDL and TRIGGER == 2:
+        if PDL:  # every W chunk read: the successor's launch overlaps the stores and tail
             tl.extra.cuda.gdc_launch_dependents()
         _store_rows(
             acc, out_ptr, bias_ptr, offs_n, rows_n, offs_m, N, M, stride_om, split_offset,
@@ -352,7 +329,7 @@ def _skinny_matmul_kernel(
                     nw_ptr, rstd3, EVEN_K, SILU_MUL, RMS_NORM, HAS_RESIDUAL,
                 )  # fmt: skip
             w_ptrs += BLOCK_K
-        if PDL and TRIGGER == 2:
+        if PDL:  # every W chunk read: the successor's launch overlaps the stores and tail
             tl.extra.cuda.gdc_launch_dependents()
         one = tl.arange(0, 1)
         _store_rows(
@@ -415,13 +392,11 @@ class SkinnyConfig(NamedTuple):
 # (M bucket = next power of two of M, N, K) ->
 #     SkinnyConfig(block_n, block_k, num_warps, num_stages, split_k, use_dot)
 # for the Qwen3-8B projections, the fastest of benchmarks/gemv_bench.py's sweep on an H200
-# (2026-12-02; 2026-12-03 again with PDL and decode's prologues at M = 1-2, `--prologue`, and
-# at M = 16: five entries changed, the 8B DFlash step 6.15 -> 6.01 ms); other shapes take the
-# entry of their M bucket nearest in log N + log K.
-# Measured against cuBLAS (bf16, weights streamed from HBM): at M = 1-2 the broadcast path
-# wins on every shape (whole forward 3.79 vs 4.11 ms at M = 1); at M = 4-16 the two are close
-# GEMM by GEMM, and whole steps were faster with this kernel up to 16 rows
-# (decoder.SKINNY_MAX_ROWS says by how much).
+# (with PDL and decode's prologues at M = 1-2, `--prologue`); other shapes take the entry of
+# their M bucket nearest in log N + log K.
+# Against cuBLAS (bf16, weights streamed from HBM): at M = 1-2 the broadcast path wins on every
+# shape (whole forward 3.79 vs 4.11 ms at M = 1); at M = 4-16 the two are close GEMM by GEMM,
+# and whole steps are faster with this kernel up to 16 rows (KernelPolicy.skinny_max_rows).
 DEFAULT_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # fused qkv
     (1, 6144, 4096): SkinnyConfig(16, 512, 4, 1, 1, False),
@@ -580,18 +555,6 @@ def skinny_linear(
     if split_k > 1:
         target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     pdl = pdl_enabled(x.device)
-    prefetch, budget = 0, l2_prefetch_budget() if pdl else 0
-    if budget:  # off by default (blockdraft.kernels.pdl): no per-launch sizing then
-        elem = weight.element_size()
-        aligned = (
-            weight.data_ptr() % 16 == 0
-            and (weight.stride(0) * elem) % 16 == 0
-            and (k_per_split * elem) % 16 == 0
-        )
-        prefetch = prefetch_bytes_per_row(
-            grid[0] * grid[1] * grid[2], cfg.block_n, k_per_split * elem, num_sms(x.device),
-            aligned, budget,
-        )  # fmt: skip
     _skinny_matmul_kernel[grid](
         rows,
         weight,
@@ -611,7 +574,6 @@ def skinny_linear(
         res_out_rows.stride(0),
         k_per_split,
         eps,
-        prefetch,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -625,8 +587,6 @@ def skinny_linear(
         NORM_BLOCK=triton.next_power_of_2(k) if rms_norm is not None else 1,
         NUM_STAGES=cfg.num_stages,
         PDL=pdl,
-        PREFETCH_CHUNKS=prefetch_chunks(cfg.block_n, cfg.num_warps, prefetch) if prefetch else 1,
-        TRIGGER=gemm_trigger() if pdl else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(pdl),

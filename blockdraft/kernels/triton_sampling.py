@@ -33,7 +33,7 @@ from blockdraft.kernels.sampling import (
     hashed_uniform,
     salted_row_init,
 )
-from blockdraft.kernels.select import _interpreting
+from blockdraft.kernels.triton_env import triton_interpreting
 
 __all__ = ["hashed_uniform", "triton_exponential_race", "triton_hashed_uniform"]
 
@@ -225,7 +225,7 @@ def triton_exponential_race(
         vocab,
         num_blocks,
         BLOCK_V=block,
-        PRECISE_LOG=not _interpreting(),
+        PRECISE_LOG=not triton_interpreting(),
         num_warps=max(1, min(8, block // 256)),
     )
     _race_winner_kernel[(rows,)](

@@ -34,7 +34,8 @@ class PagedAttention(nn.Module):
         # Zeroed int32 counters that let a split decode launch merge its splits in the
         # attention kernel (triton_paged_attention's split_counters); bound with the cache.
         self.split_counters: torch.Tensor | None = None
-        # Triton on CUDA, the torch twin elsewhere; resolved once per device.
+        # By the active kernel policy's backend; resolved again only when it or the device
+        # changes.
         self._store_kv = PerDevice(get_store_kv_backend)
         self._attention = PerDevice(get_attention_backend)
         self._rope_store_attention = PerDevice(get_rope_store_attention_backend)
@@ -56,7 +57,7 @@ class PagedAttention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention over the cache alone: this step's keys and values are already in it (stored
-        by the RoPE kernel, `blockdraft.models.decoder.FUSE_KV_STORE_INTO_ROPE`)."""
+        by the RoPE kernel, `KernelPolicy.fuse_kv_store_into_rope`)."""
         meta = get_attention_metadata()
         return self._attention(query.device)(
             query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,
@@ -76,7 +77,8 @@ class PagedAttention(nn.Module):
         eps: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """q/k norm and RoPE, this step's keys and values into the cache, then `attend`: one
-        kernel for a decode forward on the Triton path, two otherwise."""
+        kernel on the Triton path where the policy's `rope_in_attention_max_query_len` covers
+        the forward (decode by default), two otherwise."""
         meta = get_attention_metadata()
         return self._rope_store_attention(query.device)(
             query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight,

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from blockdraft.kernels import select
 from blockdraft.kernels.cross_entropy import chunked_cross_entropy
 from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.kernels.triton_env import triton_interpreting
 from blockdraft.models.decoder import DecoderLM
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
 from blockdraft.models.loader import (
@@ -362,7 +363,7 @@ def use_fused_loss(drafter: DFlashDrafter, device: torch.device, fused: bool | N
 
 def check_fused_loss_device(device: torch.device | str) -> None:
     """The fused loss is a Triton kernel: compiled on CUDA, or interpreted on the CPU."""
-    if torch.device(device).type != "cuda" and not select._interpreting():
+    if torch.device(device).type != "cuda" and not triton_interpreting():
         raise ValueError("fused_loss=True needs a CUDA device (or TRITON_INTERPRET=1)")
 
 

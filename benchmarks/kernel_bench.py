@@ -1,6 +1,6 @@
 """GPU timings of the Triton kernels against their torch twins (bf16, Qwen3-8B-like heads).
 
-    python -m blockdraft.kernels.benchmark [--tune]
+    python benchmarks/kernel_bench.py [--tune]
 
 Prints one line per case: torch twin time, Triton time, speed-up, and the largest difference
 between the two outputs. `--tune` also sweeps the attention launch options per case.
@@ -17,11 +17,12 @@ from functools import partial
 import torch
 import triton.testing
 
-from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs, prepare_dflash_inputs_torch
+from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.forward_context import build_attention_metadata
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.triton_activation import silu_mul_torch, triton_silu_mul
 from blockdraft.kernels.triton_attention import choose_num_splits, triton_paged_attention
+from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs
 from blockdraft.kernels.triton_kv_store import triton_store_kv
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm
 from blockdraft.kernels.triton_rope import qk_norm_rope_torch, triton_qk_norm_rope
@@ -136,7 +137,9 @@ def run_others(device: torch.device) -> None:
     starts = torch.cumsum(rows, 0) - rows
     positions = torch.randint(100, 4000, (num_reqs,), device=device)
     tables = torch.randint(1, 10000, (128, 4096 // BLOCK + 2), device=device)
-    args = (torch.randint(0, 1000, (num_reqs,), device=device), positions, starts, num_ctx, tables)
+    proposers = torch.arange(num_reqs, device=device)  # every request drafts
+    tokens = torch.randint(0, 1000, (num_reqs,), device=device)
+    args = (tokens, positions, starts, num_ctx, proposers, tables)
     kwargs = dict(
         block_size=BLOCK, num_spec=n, mask_token_id=7, num_reqs_padded=128, num_ctx_rows=4096
     )

@@ -1,0 +1,70 @@
+"""Every kernel choice that is still a real choice, in one frozen value.
+
+The engine's config holds one `KernelPolicy` (`EngineConfig.kernel_policy`, whose backend comes
+from BLOCKDRAFT_KERNELS, see blockdraft/config.py); the engine enters it around its forwards and
+sampling (`blockdraft.kernels.forward_context.use_kernel_policy`), and kernels read it there
+(`current_kernel_policy()`). Benchmarks A/B a choice with `dataclasses.replace(policy, ...)`.
+Each default is the one measured fastest on an H200 (BENCHMARKS.md has the runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    # "auto": Triton on CUDA when it imports, the torch twins elsewhere; "torch" / "triton"
+    # force one (tests, A/B runs; Triton on the CPU needs TRITON_INTERPRET=1).
+    backend: str = "auto"
+    # Linears of at most this many rows run the skinny GEMM (it only streams the weight); whole
+    # steps were as fast or faster with it up to 16 rows (AR batch 8 5.76 -> 5.45 ms).
+    skinny_max_rows: int = 16
+    # Device type whose linears may take the skinny GEMM: compiled Triton only, since in the
+    # interpreter it would crawl through every projection ("cpu": tests).
+    skinny_device_type: str = "cuda"
+    # Row limit of the skinny GEMM's residual add + RMSNorm prologue: at 16 rows (a batch-1
+    # verify) the prologues doubled the step.
+    norm_prologue_max_rows: int = 2
+    # Row limit of the skinny GEMM's SiLU·mul prologue: at 16 rows the batch-1 DFlash step took
+    # 8.45 ms against 6.02.
+    silu_mul_prologue_max_rows: int = 2
+    # The down projection forms silu(gate) * up in its loads, one launch a layer less (batch-1
+    # decode 4.92 -> 4.61 ms with the norm prologue).
+    fuse_silu_mul_into_down: bool = True
+    # The q/k/v and gate/up skinny GEMMs form the residual add + RMSNorm in their loads, two
+    # norm launches a layer less.
+    fuse_norm_into_skinny: bool = True
+    # Outside autograd the q/k norm + RoPE kernel also stores the step's keys and values, one
+    # store launch a layer less (batch-1 DFlash step 6.38 -> 6.27 ms).
+    fuse_kv_store_into_rope: bool = True
+    # A split-K decode attention merges its splits in its last program instead of a reduce
+    # kernel, one launch a layer less.
+    fuse_decode_split_merge: bool = True
+    # Forwards of at most this many query rows a sequence norm, rotate and store q/k in the
+    # attention kernel (0: never); decode only: at 16 rows the batch-8 DFlash step was slower
+    # (7.96 vs 7.60-7.73 ms).
+    rope_in_attention_max_query_len: int = 1
+    # Programmatic dependent launch on devices that have it (compute capability 9.0+).
+    pdl: bool = True
+    # PDL only in forwards of at most this many query rows a request: it pays in decode steps
+    # (8B batch 1 4.45 -> 4.34 ms) and costs in 16-row verify steps (6.08 vs 6.02 ms).
+    pdl_max_query_len: int = 1
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.skinny_device_type not in ("cuda", "cpu"):
+            raise ValueError(
+                f"skinny_device_type must be 'cuda' or 'cpu', got {self.skinny_device_type!r}"
+            )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+            if f.type == "int" and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
