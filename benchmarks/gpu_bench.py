@@ -219,7 +219,7 @@ def mean_step_ms(
 # (triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN 0 / 16); "pdl16" = PDL in forwards of at
 # most 16 query rows a request (pdl.PDL_MAX_QUERY_LEN, default 1: decode forwards only);
 # "silu16" = the SiLU·mul prologue
-# up to 16 rows (decoder.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
+# up to 16 rows (mlp.SILU_MUL_PROLOGUE_MAX_ROWS; the norm's stays at 2).
 ABLATION = [
     ("AR", "cuBLAS", 0, False, False, False, ""),
     ("AR", "skinny <= 2 rows", 2, False, False, False, ""),
@@ -281,11 +281,11 @@ def ablate(
     tokens compare only in shape). `only`: keep the rows whose "engine variant" contains one of
     these."""
     from blockdraft.kernels import pdl, select, triton_attention
-    from blockdraft.models import decoder
+    from blockdraft.layers import linear, mlp, self_attention
 
     rows = []
     sampler_default = select.TRITON_SAMPLER_ON_CUDA
-    silu_rows_default = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
+    silu_rows_default = mlp.SILU_MUL_PROLOGUE_MAX_ROWS
     rope_rows_default = triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN
     merge_default = triton_attention.FUSE_DECODE_SPLIT_MERGE
     pdl_rows_default = pdl.PDL_MAX_QUERY_LEN
@@ -293,9 +293,9 @@ def ablate(
     env_default = {name: os.environ.get(name) for name in env_vars}
     todo = [r for r in ABLATION if only is None or any(o in f"{r[0]} {r[1]}" for o in only)]
     for engine, name, max_rows, silu, norm, kv_store, extra in tqdm(todo, "ablation"):
-        decoder.SKINNY_MAX_ROWS = max_rows
-        decoder.FUSE_SILU_MUL_INTO_DOWN, decoder.FUSE_NORM_INTO_SKINNY = silu, norm
-        decoder.FUSE_KV_STORE_INTO_ROPE = kv_store
+        linear.SKINNY_MAX_ROWS = max_rows
+        mlp.FUSE_SILU_MUL_INTO_DOWN, linear.FUSE_NORM_INTO_SKINNY = silu, norm
+        self_attention.FUSE_KV_STORE_INTO_ROPE = kv_store
         select.TRITON_SAMPLER_ON_CUDA = extra == "t1-triton"
         temperature = 1.0 if extra.startswith("t1") else 0.0
         flags = extra.split()
@@ -305,7 +305,7 @@ def ablate(
         os.environ[pdl.PREFETCH_ENV_VAR] = prefetch[0] if prefetch else ""
         trigger = [f.removeprefix("trigger-") for f in flags if f.startswith("trigger-")]
         os.environ[pdl.TRIGGER_ENV_VAR] = trigger[0] if trigger else ""
-        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
+        mlp.SILU_MUL_PROLOGUE_MAX_ROWS = 16 if "silu16" in flags else silu_rows_default
         triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default and "nomerge" not in flags
         pdl.PDL_MAX_QUERY_LEN = 16 if "pdl16" in flags else pdl_rows_default
         triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = (
@@ -326,7 +326,7 @@ def ablate(
         gc.collect()
         torch.cuda.empty_cache()
     select.TRITON_SAMPLER_ON_CUDA = sampler_default
-    decoder.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
+    mlp.SILU_MUL_PROLOGUE_MAX_ROWS = silu_rows_default
     triton_attention.FUSE_DECODE_SPLIT_MERGE = merge_default
     pdl.PDL_MAX_QUERY_LEN = pdl_rows_default
     triton_attention.ROPE_IN_ATTENTION_MAX_QUERY_LEN = rope_rows_default
@@ -481,28 +481,28 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="skinny down projections form the MLP's silu(gate) * up in their loads "
-        "(decoder.FUSE_SILU_MUL_INTO_DOWN)",
+        "(mlp.FUSE_SILU_MUL_INTO_DOWN)",
     )
     p.add_argument(
         "--silu-mul-prologue-rows",
         type=int,
         default=None,
         help="the down projection forms SiLU·mul in its loads up to this many rows "
-        "(decoder.SILU_MUL_PROLOGUE_MAX_ROWS)",
+        "(mlp.SILU_MUL_PROLOGUE_MAX_ROWS)",
     )
     p.add_argument(
         "--fuse-norm",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="skinny q/k/v and gate/up projections form the residual add + RMSNorm before them "
-        "in their loads (decoder.FUSE_NORM_INTO_SKINNY)",
+        "in their loads (linear.FUSE_NORM_INTO_SKINNY)",
     )
     p.add_argument(
         "--fuse-kv-store",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="the q/k norm + RoPE kernel also writes the keys and values into the paged cache "
-        "(decoder.FUSE_KV_STORE_INTO_ROPE)",
+        "(self_attention.FUSE_KV_STORE_INTO_ROPE)",
     )
     p.add_argument(
         "--async-decode",
@@ -522,30 +522,30 @@ def main() -> None:
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
     from blockdraft.kernels import pdl
-    from blockdraft.models import decoder
+    from blockdraft.layers import linear, mlp, self_attention
 
     if args.skinny_rows is not None:
-        decoder.SKINNY_MAX_ROWS = args.skinny_rows
+        linear.SKINNY_MAX_ROWS = args.skinny_rows
     if args.skinny_configs:
         load_skinny_configs(args.skinny_configs)
     if args.fuse_silu_mul is not None:  # default: the engine's own setting
-        decoder.FUSE_SILU_MUL_INTO_DOWN = args.fuse_silu_mul
+        mlp.FUSE_SILU_MUL_INTO_DOWN = args.fuse_silu_mul
     if args.fuse_norm is not None:
-        decoder.FUSE_NORM_INTO_SKINNY = args.fuse_norm
+        linear.FUSE_NORM_INTO_SKINNY = args.fuse_norm
     if args.fuse_kv_store is not None:
-        decoder.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
+        self_attention.FUSE_KV_STORE_INTO_ROPE = args.fuse_kv_store
     if args.silu_mul_prologue_rows is not None:
-        decoder.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
+        mlp.SILU_MUL_PROLOGUE_MAX_ROWS = args.silu_mul_prologue_rows
     if args.pdl_max_query_len is not None:
         pdl.PDL_MAX_QUERY_LEN = args.pdl_max_query_len
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
-    results["skinny_max_rows"] = decoder.SKINNY_MAX_ROWS
-    results["fuse_silu_mul"] = decoder.FUSE_SILU_MUL_INTO_DOWN
-    results["fuse_norm"] = decoder.FUSE_NORM_INTO_SKINNY
-    results["fuse_kv_store"] = decoder.FUSE_KV_STORE_INTO_ROPE
-    results["silu_mul_prologue_max_rows"] = decoder.SILU_MUL_PROLOGUE_MAX_ROWS
+    results["skinny_max_rows"] = linear.SKINNY_MAX_ROWS
+    results["fuse_silu_mul"] = mlp.FUSE_SILU_MUL_INTO_DOWN
+    results["fuse_norm"] = linear.FUSE_NORM_INTO_SKINNY
+    results["fuse_kv_store"] = self_attention.FUSE_KV_STORE_INTO_ROPE
+    results["silu_mul_prologue_max_rows"] = mlp.SILU_MUL_PROLOGUE_MAX_ROWS
     results["pdl_max_query_len"] = pdl.PDL_MAX_QUERY_LEN
     target, drafter = qwen3_8b_dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()

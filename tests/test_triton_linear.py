@@ -1,5 +1,5 @@
 """The skinny GEMM (`blockdraft.kernels.triton_linear`) against F.linear, on fresh random inputs,
-and the decoder's `linear` helper that routes few-row projections to it.
+and `blockdraft.layers.linear.linear`, which routes few-row projections to it.
 
 Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernel on
@@ -29,8 +29,12 @@ from blockdraft.kernels.triton_linear import (  # noqa: E402
     pick_config,
     skinny_linear,
 )
-from blockdraft.models import decoder  # noqa: E402
-from blockdraft.models.decoder import MLP, DecoderLM, linear  # noqa: E402
+from blockdraft.layers import linear as linear_layer  # noqa: E402
+from blockdraft.layers import mlp as mlp_layer  # noqa: E402
+from blockdraft.layers import self_attention  # noqa: E402
+from blockdraft.layers.linear import fuse_projections, linear  # noqa: E402
+from blockdraft.layers.mlp import MLP  # noqa: E402
+from blockdraft.models.llama import DecoderLM  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
 INTERPRETED = select._interpreting()
@@ -198,7 +202,7 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) 
     def forbidden(device: torch.device) -> None:
         raise AssertionError("the skinny GEMM was chosen")
 
-    monkeypatch.setattr(decoder, "get_linear_backend", forbidden)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", forbidden)
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
     x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
     x, w, b = x.cpu(), w.cpu(), b.cpu()
@@ -206,7 +210,7 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch) 
     with torch.no_grad():
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     # Under autograd, on the skinny GEMM's device too: the kernel has no backward.
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(linear_layer, "SKINNY_DEVICE_TYPE", DEVICE.type)
     x, w, b = x.to(DEVICE), w.to(DEVICE).requires_grad_(True), b.to(DEVICE)
     linear(x, w, b).sum().backward()
     assert w.grad is not None
@@ -217,8 +221,8 @@ def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
     and the LM head go through the skinny GEMM for up to SKINNY_MAX_ROWS rows outside autograd,
     and through F.linear otherwise."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # wider than the default (2)
+    monkeypatch.setattr(linear_layer, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(linear_layer, "SKINNY_MAX_ROWS", 16)  # wider than the default (2)
     calls = []
 
     def counting(device: torch.device):
@@ -229,7 +233,7 @@ def test_decoder_routes_few_rows(rng, monkeypatch) -> None:
         assert select.get_linear_backend(device) is skinny_linear
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     cfg = tiny_qwen3_config(num_layers=1)
     with torch.device(DEVICE):
         mlp, lm = MLP(24, 40), DecoderLM(cfg)
@@ -320,10 +324,10 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
     (the skinny GEMM, then F.linear past SKINNY_MAX_ROWS), or with the flag off, nothing
     changes."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 20)
-    monkeypatch.setattr(decoder, "PROLOGUE_MAX_ROWS", 2)
-    monkeypatch.setattr(decoder, "SILU_MUL_PROLOGUE_MAX_ROWS", 16)
+    monkeypatch.setattr(linear_layer, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(linear_layer, "SKINNY_MAX_ROWS", 20)
+    monkeypatch.setattr(linear_layer, "PROLOGUE_MAX_ROWS", 2)
+    monkeypatch.setattr(mlp_layer, "SILU_MUL_PROLOGUE_MAX_ROWS", 16)
     calls = []
 
     def counting(device: torch.device):
@@ -333,7 +337,7 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
 
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     with torch.device(DEVICE):
         mlp = MLP(24, 40)
     mlp.fuse_projections()
@@ -347,9 +351,9 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, fuse: bool) -> None:
     for rows in [1, 2, 5, 16, 18, 21]:
         x = randn(rng, rows, 24)
         with torch.no_grad():
-            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", False)
+            monkeypatch.setattr(mlp_layer, "FUSE_SILU_MUL_INTO_DOWN", False)
             expected = mlp(x)  # gate_up, the activation kernel, down
-            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", fuse)
+            monkeypatch.setattr(mlp_layer, "FUSE_SILU_MUL_INTO_DOWN", fuse)
             calls.clear()
             got = mlp(x)
         unfused = ["linear", "activation", "linear"]
@@ -456,9 +460,9 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
     bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
     sum the residual stream); past that, or with the flag off, nothing changes."""
     monkeypatch.setenv("BLOCKDRAFT_ATTENTION", "triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    monkeypatch.setattr(linear_layer, "SKINNY_DEVICE_TYPE", DEVICE.type)
     # Skinny up to 4 rows, its prologues up to PROLOGUE_MAX_ROWS (2) only.
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 4)
+    monkeypatch.setattr(linear_layer, "SKINNY_MAX_ROWS", 4)
     calls = []
 
     def counting(device: torch.device):
@@ -468,16 +472,16 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
 
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     cfg = tiny_qwen3_config(num_layers=3)
     with torch.device(DEVICE):
         lm = DecoderLM(cfg)
     for name, p in lm.named_parameters():
         p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
     lm = lm.to(dtype).requires_grad_(False)
-    decoder.fuse_projections(lm)
+    fuse_projections(lm)
     # The stub replaces the paged cache, so K/V take the separate store (the stub's no-op).
-    monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", False)
+    monkeypatch.setattr(self_attention, "FUSE_KV_STORE_INTO_ROPE", False)
     for layer in lm.model.layers:
         layer.self_attn.attn = StubAttention()
     # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
@@ -486,14 +490,14 @@ def test_decoder_fuses_norms_into_skinny(rng, monkeypatch, fuse: bool, dtype: to
     for rows in [1, 2, 3, 5]:
         ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
         positions = torch.arange(rows, device=DEVICE)
-        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", False)
+        monkeypatch.setattr(linear_layer, "FUSE_NORM_INTO_SKINNY", False)
         expected = lm(ids, positions)
-        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", fuse)
+        monkeypatch.setattr(linear_layer, "FUSE_NORM_INTO_SKINNY", fuse)
         calls.clear()
         got = lm(ids, positions)
         if rows > 4:
             assert calls == []
-        elif rows > decoder.PROLOGUE_MAX_ROWS:  # skinny, without prologues
+        elif rows > linear_layer.PROLOGUE_MAX_ROWS:  # skinny, without prologues
             assert calls == ["linear"] * 12
         elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
             assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3

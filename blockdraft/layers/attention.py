@@ -56,7 +56,7 @@ class PagedAttention(nn.Module):
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention over the cache alone: this step's keys and values are already in it (stored
-        by the RoPE kernel, `blockdraft.models.decoder.FUSE_KV_STORE_INTO_ROPE`)."""
+        by the RoPE kernel, `blockdraft.layers.self_attention.FUSE_KV_STORE_INTO_ROPE`)."""
         meta = get_attention_metadata()
         return self._attention(query.device)(
             query, self.key_cache, self.value_cache, meta, self.scale, self.causal, self.window,

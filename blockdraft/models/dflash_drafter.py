@@ -17,9 +17,10 @@ from torch import nn
 
 from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.linear import linear
+from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.decoder import DecoderLayer, DecoderLM, final_norm, linear
+from blockdraft.models.llama import DecoderLayer, DecoderLM, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 
 
@@ -60,7 +61,7 @@ class DFlashConfig:
                 "this drafter samples from the anchor (DSpark layout, sample_from_anchor=true); "
                 "only DFlash drafters, whose anchor is the bonus token, are supported"
             )
-        body = TransformerConfig._parse(hf, "qwen3")
+        body = qwen3_config(hf)
         if value("mask_token_id") is None:
             raise ValueError("drafter config has no mask_token_id (in dflash_config)")
         num_target_layers = value("num_target_layers")
