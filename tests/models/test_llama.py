@@ -16,15 +16,28 @@ from checkpoints import make_llama_checkpoint, make_qwen3_checkpoint
 
 CASES = {
     # name: (builder, kwargs) covering tied/untied, llama3 rope scaling, GQA 1/2/4, odd head_dim
-    "qwen3-untied-gqa2-hd24": (make_qwen3_checkpoint, dict(num_heads=4, num_kv_heads=2,
-                                                           head_dim=24, tie_word_embeddings=False)),
-    "qwen3-tied-gqa1": (make_qwen3_checkpoint, dict(num_heads=4, num_kv_heads=4,
-                                                   tie_word_embeddings=True)),
-    "llama-llama3rope-gqa4": (make_llama_checkpoint, dict(num_heads=4, num_kv_heads=1,
-                                                         llama3_rope_scaling=True)),
-    "llama-untied-hd8": (make_llama_checkpoint, dict(num_heads=4, num_kv_heads=2, head_dim=8,
-                                                    tie_word_embeddings=False,
-                                                    llama3_rope_scaling=False)),
+    "qwen3-untied-gqa2-hd24": (
+        make_qwen3_checkpoint,
+        dict(num_heads=4, num_kv_heads=2, head_dim=24, tie_word_embeddings=False),
+    ),
+    "qwen3-tied-gqa1": (
+        make_qwen3_checkpoint,
+        dict(num_heads=4, num_kv_heads=4, tie_word_embeddings=True),
+    ),
+    "llama-llama3rope-gqa4": (
+        make_llama_checkpoint,
+        dict(num_heads=4, num_kv_heads=1, llama3_rope_scaling=True),
+    ),
+    "llama-untied-hd8": (
+        make_llama_checkpoint,
+        dict(
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=8,
+            tie_word_embeddings=False,
+            llama3_rope_scaling=False,
+        ),
+    ),
 }
 
 
@@ -46,11 +59,13 @@ def paged_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Ten
     assert engine.block_manager.ensure_capacity(seq, len(token_ids))
     out, start = [], 0
     for n in chunks:
-        meta = build_attention_metadata([seq.block_table], [start], [n], engine.config.block_size,
-                                        engine.device)
+        meta = build_attention_metadata(
+            [seq.block_table], [start], [n], engine.config.block_size, engine.device
+        )
         with torch.inference_mode(), forward_context(meta):
-            hidden, _ = engine.model(torch.tensor(token_ids[start:start + n]),
-                                     torch.arange(start, start + n))
+            hidden, _ = engine.model(
+                torch.tensor(token_ids[start : start + n]), torch.arange(start, start + n)
+            )
         out.append(engine.model.compute_logits(hidden))
         start += n
     engine.block_manager.free(seq)
