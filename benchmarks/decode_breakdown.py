@@ -28,10 +28,11 @@ from benchmarks.common import print_table  # noqa: E402
 from benchmarks.gpu_bench import mean_step_ms, qwen3_8b_dirs  # noqa: E402
 from blockdraft import LLM  # noqa: E402
 from blockdraft.kernels.forward_context import get_attention_metadata  # noqa: E402
-from blockdraft.models import decoder  # noqa: E402
+from blockdraft.layers.linear import linear  # noqa: E402
+from blockdraft.layers.self_attention import SelfAttention  # noqa: E402
 
 VARIANTS = ("full", "no-attention", "no-rope", "gemms-only")
-_FULL = decoder.SelfAttention.attend_qkv
+_FULL = SelfAttention.attend_qkv
 
 
 def attend_qkv_without(variant: str) -> Callable:
@@ -42,7 +43,7 @@ def attend_qkv_without(variant: str) -> Callable:
         return _FULL
 
     def attend_qkv(
-        self: decoder.SelfAttention,
+        self: SelfAttention,
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
@@ -60,7 +61,7 @@ def attend_qkv_without(variant: str) -> Callable:
             )  # fmt: skip
         elif variant == "no-rope":
             out = attn.attend(out)
-        return decoder.linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
 
     return attend_qkv
 
@@ -80,7 +81,7 @@ def main() -> None:
     try:
         for variant in args.variants:
             # Patched before the engine is built: its CUDA graphs capture the patched forward.
-            decoder.SelfAttention.attend_qkv = attend_qkv_without(variant)
+            SelfAttention.attend_qkv = attend_qkv_without(variant)
             llm = LLM(str(target), **kw)
             passes = [mean_step_ms(llm, prompt, 1, args.steps) for _ in range(3)]
             rows.append([variant, statistics.median(passes), min(passes), max(passes)])
@@ -88,7 +89,7 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
     finally:
-        decoder.SelfAttention.attend_qkv = _FULL
+        SelfAttention.attend_qkv = _FULL
     full = next((r[1] for r in rows if r[0] == "full"), float("nan"))
     print_table(
         f"batch-1 decode step, Qwen3-8B shapes, {args.prompt_len}-token prompt (ms; median, "

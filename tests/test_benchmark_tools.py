@@ -39,7 +39,7 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     sites = {s for r in rows for s in r["by_site"]}
     assert "rejection_sampler.rejection_sample" in sites
     # The MLP only runs inside the forwards that CUDA graphs capture: never counted.
-    assert not any(s.startswith("decoder.down") for s in sites)
+    assert not any(s.startswith("mlp.down") for s in sites)
     assert "eager ops per step" in capsys.readouterr().out
 
 
@@ -181,17 +181,11 @@ def test_decode_breakdown_variants_leave_out_what_they_name(rng, set_policy) -> 
     from blockdraft.engine.model_runner import allocate_kv_cache
     from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
     from blockdraft.layers.rotary import RotaryEmbedding
-    from blockdraft.models.decoder import SelfAttention
-    from blockdraft.models.model_config import TransformerConfig
+    from blockdraft.layers.self_attention import SelfAttention
 
     set_policy(backend="torch")
-    cfg = TransformerConfig(
-        architecture="qwen3", vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1,
-        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=False,
-        attention_bias=False, qk_norm=True,
-    )  # fmt: skip
-    layer = SelfAttention(cfg, RotaryEmbedding(8, 64, 10000.0, None)).requires_grad_(False)
+    rotary = RotaryEmbedding(8, 64, 10000.0, None)
+    layer = SelfAttention(32, 4, 2, 8, rotary, qk_norm_eps=1e-6).requires_grad_(False)
     for p in layer.parameters():
         p.copy_(torch.randn(p.shape, generator=rng) * 0.3)
     allocate_kv_cache([layer.attn], 8, 4, torch.float32, torch.device("cpu"))

@@ -13,9 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from blockdraft import LLM, SamplingParams
 from blockdraft.assets import default_drafter_path
 from blockdraft.config import EngineConfig
-from blockdraft.models.dflash import DFlashConfig
+from blockdraft.models.dflash_drafter import DFlashConfig
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
-from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.registry import resolve_architecture
 
 from checkpoints import zlab_first_draft_logits, zlab_full_block_steps, zlab_generate
 
@@ -60,7 +60,7 @@ def test_shipped_drafter_fits_the_default_target(target_gguf) -> None:
     path = Path(default_drafter_path())
     assert (path / "model.safetensors").stat().st_size <= 40 * 1024**2
     cfg = DFlashConfig.from_hf(json.loads((path / "config.json").read_text()))
-    target = TransformerConfig.from_hf(target_gguf.hf_config)
+    target = resolve_architecture(target_gguf.hf_config).parse_config(target_gguf.hf_config)
     cfg.check_fits(target)
     assert cfg.block_size == 16
 

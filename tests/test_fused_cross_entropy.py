@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from blockdraft.kernels import triton_cross_entropy as tce  # noqa: E402
 from blockdraft.kernels.cross_entropy import linear_cross_entropy_torch  # noqa: E402
 from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
-from blockdraft.models.dflash import DFlashDrafter  # noqa: E402
+from blockdraft.models.dflash_drafter import DFlashDrafter  # noqa: E402
 from blockdraft.train import drafter as drafter_mod  # noqa: E402
 from blockdraft.train.cli import add_train_draft_parser  # noqa: E402
 from blockdraft.train.trainer import TrainConfig  # noqa: E402

@@ -62,11 +62,12 @@ from blockdraft.kernels.triton_sampling import (  # noqa: E402
     triton_exponential_race,
     triton_hashed_uniform,
 )
-from blockdraft.layers.norm import RMSNorm  # noqa: E402
+from blockdraft.layers.linear import fuse_projections  # noqa: E402
+from blockdraft.layers.mlp import MLP  # noqa: E402
+from blockdraft.layers.norm import RMSNorm, final_norm  # noqa: E402
 from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
 from blockdraft.layers.sampler import SamplingTensors, sample  # noqa: E402
-from blockdraft.models import decoder  # noqa: E402
-from blockdraft.models.decoder import MLP, DecoderLayer, final_norm  # noqa: E402
+from blockdraft.models.llama import DecoderLayer  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 from blockdraft.spec_decode.rejection_sampler import rejection_sample, sample_drafts  # noqa: E402
 
@@ -902,7 +903,7 @@ def test_decoder_layers_fused_residual_norm(
 
 
 def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
-    """With FUSE_KV_STORE_INTO_ROPE, Qwen3 layers on the Triton path (fused q/k/v: strided
+    """With fuse_kv_store_into_rope, Qwen3 layers on the Triton path (fused q/k/v: strided
     heads) store their keys and values from the RoPE kernel and attend without the store
     kernel, and the drafter's context rows (`write_kv`) likewise: the same outputs and caches,
     bit for bit, as the separate store."""
@@ -921,7 +922,7 @@ def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
     for module in (triton_rope, triton_attention):  # the drafter's context path, the layers'
         monkeypatch.setattr(module, "triton_qk_norm_rope_store", counting_rope_store)
     layers, final = layer_stack(rng, torch.float32)
-    decoder.fuse_projections(layers)
+    fuse_projections(layers)
     # A prefill chunk, a decode row and a verify block over scattered pages.
     starts, query_lens = [5, 9, 3], [3, 1, 4]
     meta, key_cache, _ = paged_batch(rng, starts, query_lens, 4, 2, 16)
@@ -938,7 +939,7 @@ def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
     ctx = randn(rng, 4, 48)
 
     def run(fuse: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", fuse)
+        set_policy(backend="triton", fuse_kv_store_into_rope=fuse)
         for layer, (k, v) in zip(layers, caches, strict=True):
             layer.self_attn.attn.key_cache, layer.self_attn.attn.value_cache = k.clone(), v.clone()
         with torch.inference_mode(), forward_context(meta):

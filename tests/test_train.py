@@ -12,7 +12,7 @@ import torch
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.cli import main as cli_main
-from blockdraft.models.dflash import DFlashConfig, DFlashDrafter, load_drafter
+from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
 from blockdraft.train import (
     TrainConfig,
     build_block_mask,

@@ -1,5 +1,5 @@
 """The skinny GEMM (`blockdraft.kernels.triton_linear`) against F.linear, on fresh random inputs,
-and the decoder's `linear` helper that routes few-row projections to it.
+and `blockdraft.layers.linear.linear`, which routes few-row projections to it.
 
 Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernel on
@@ -30,8 +30,10 @@ from blockdraft.kernels.triton_linear import (  # noqa: E402
     pick_config,
     skinny_linear,
 )
-from blockdraft.models import decoder  # noqa: E402
-from blockdraft.models.decoder import MLP, DecoderLM, linear  # noqa: E402
+from blockdraft.layers import linear as linear_layer  # noqa: E402
+from blockdraft.layers.linear import fuse_projections, linear  # noqa: E402
+from blockdraft.layers.mlp import MLP  # noqa: E402
+from blockdraft.models.llama import DecoderLM  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
 INTERPRETED = triton_interpreting()
@@ -199,7 +201,7 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch, 
     def forbidden(device: torch.device) -> None:
         raise AssertionError("the skinny GEMM was chosen")
 
-    monkeypatch.setattr(decoder, "get_linear_backend", forbidden)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", forbidden)
     set_policy(backend="triton")
     x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
     x, w, b = x.cpu(), w.cpu(), b.cpu()
@@ -207,7 +209,7 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch, 
     with torch.no_grad():
         assert torch.equal(linear(x, w, b), F.linear(x, w, b))
     # Under autograd, on the skinny GEMM's device too: the kernel has no backward.
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
+    set_policy(backend="triton", skinny_device_type=DEVICE.type)
     x, w, b = x.to(DEVICE), w.to(DEVICE).requires_grad_(True), b.to(DEVICE)
     linear(x, w, b).sum().backward()
     assert w.grad is not None
@@ -215,11 +217,9 @@ def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch, 
 
 def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
     """With the device allowed (the interpreter on CPU), an MLP's gate_up and down projections
-    and the LM head go through the skinny GEMM for up to SKINNY_MAX_ROWS rows outside autograd,
+    and the LM head go through the skinny GEMM for up to skinny_max_rows rows outside autograd,
     and through F.linear otherwise."""
-    set_policy(backend="triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 16)  # wider than the default (2)
+    set_policy(backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=16)
     calls = []
 
     def counting(device: torch.device):
@@ -230,7 +230,7 @@ def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
         assert select.get_linear_backend(device) is skinny_linear
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     cfg = tiny_qwen3_config(num_layers=1)
     with torch.device(DEVICE):
         mlp, lm = MLP(24, 40), DecoderLM(cfg)
@@ -314,17 +314,16 @@ def test_skinny_linear_silu_mul_input_errors(rng) -> None:
 
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
 def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, set_policy, fuse: bool) -> None:
-    """With FUSE_SILU_MUL_INTO_DOWN, an MLP with fused projections runs its down projection
+    """With fuse_silu_mul_into_down, an MLP with fused projections runs its down projection
     on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
-    SILU_MUL_PROLOGUE_MAX_ROWS rows (set here to 16, past the norm prologue's 2: the 16-row
+    silu_mul_prologue_max_rows rows (set here to 16, past the norm prologue's 2: the 16-row
     tensor-core path too), the unfused output (bit for bit on the row-by-row path); past that
-    (the skinny GEMM, then F.linear past SKINNY_MAX_ROWS), or with the flag off, nothing
+    (the skinny GEMM, then F.linear past skinny_max_rows), or with the flag off, nothing
     changes."""
-    set_policy(backend="triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 20)
-    monkeypatch.setattr(decoder, "PROLOGUE_MAX_ROWS", 2)
-    monkeypatch.setattr(decoder, "SILU_MUL_PROLOGUE_MAX_ROWS", 16)
+    policy = dict(
+        backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=20,
+        norm_prologue_max_rows=2, silu_mul_prologue_max_rows=16,
+    )  # fmt: skip
     calls = []
 
     def counting(device: torch.device):
@@ -334,7 +333,7 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, set_policy, fuse: bool) 
 
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     with torch.device(DEVICE):
         mlp = MLP(24, 40)
     mlp.fuse_projections()
@@ -348,9 +347,9 @@ def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, set_policy, fuse: bool) 
     for rows in [1, 2, 5, 16, 18, 21]:
         x = randn(rng, rows, 24)
         with torch.no_grad():
-            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", False)
+            set_policy(**policy, fuse_silu_mul_into_down=False)
             expected = mlp(x)  # gate_up, the activation kernel, down
-            monkeypatch.setattr(decoder, "FUSE_SILU_MUL_INTO_DOWN", fuse)
+            set_policy(**policy, fuse_silu_mul_into_down=fuse)
             calls.clear()
             got = mlp(x)
         unfused = ["linear", "activation", "linear"]
@@ -454,14 +453,16 @@ class StubAttention(nn.Module):
 def test_decoder_fuses_norms_into_skinny(
     rng, monkeypatch, set_policy, fuse: bool, dtype: torch.dtype
 ) -> None:
-    """With FUSE_NORM_INTO_SKINNY, a Qwen3-style model (q/k norms) with fused projections runs
-    each layer's two add + norms in the q/k/v and gate/up GEMMs for up to PROLOGUE_MAX_ROWS rows,
+    """With fuse_norm_into_skinny, a Qwen3-style model (q/k norms) with fused projections runs
+    each layer's two add + norms in the q/k/v and gate/up GEMMs up to norm_prologue_max_rows rows,
     bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
     sum the residual stream); past that, or with the flag off, nothing changes."""
-    set_policy(backend="triton")
-    monkeypatch.setattr(decoder, "SKINNY_DEVICE_TYPE", DEVICE.type)
-    # Skinny up to 4 rows, its prologues up to PROLOGUE_MAX_ROWS (2) only.
-    monkeypatch.setattr(decoder, "SKINNY_MAX_ROWS", 4)
+    # Skinny up to 4 rows, its prologues up to norm_prologue_max_rows (2) only. The stub
+    # below replaces the paged cache, so K/V take the separate store (the stub's no-op).
+    policy = dict(
+        backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=4,
+        fuse_kv_store_into_rope=False,
+    )  # fmt: skip
     calls = []
 
     def counting(device: torch.device):
@@ -471,16 +472,14 @@ def test_decoder_fuses_norms_into_skinny(
 
         return run
 
-    monkeypatch.setattr(decoder, "get_linear_backend", counting)
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
     cfg = tiny_qwen3_config(num_layers=3)
     with torch.device(DEVICE):
         lm = DecoderLM(cfg)
     for name, p in lm.named_parameters():
         p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
     lm = lm.to(dtype).requires_grad_(False)
-    decoder.fuse_projections(lm)
-    # The stub replaces the paged cache, so K/V take the separate store (the stub's no-op).
-    monkeypatch.setattr(decoder, "FUSE_KV_STORE_INTO_ROPE", False)
+    fuse_projections(lm)
     for layer in lm.model.layers:
         layer.self_attn.attn = StubAttention()
     # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
@@ -489,18 +488,17 @@ def test_decoder_fuses_norms_into_skinny(
     for rows in [1, 2, 3, 5]:
         ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
         positions = torch.arange(rows, device=DEVICE)
-        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", False)
+        set_policy(**policy, fuse_norm_into_skinny=False)
         expected = lm(ids, positions)
-        monkeypatch.setattr(decoder, "FUSE_NORM_INTO_SKINNY", fuse)
+        set_policy(**policy, fuse_norm_into_skinny=fuse)
         calls.clear()
         got = lm(ids, positions)
         if rows > 4:
             assert calls == []
-        elif rows > decoder.PROLOGUE_MAX_ROWS:  # skinny, without prologues
+        elif rows > 2:  # skinny, without prologues
             assert calls == ["linear"] * 12
         elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
             assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3
         else:
             assert calls == ["linear"] * 12
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
-

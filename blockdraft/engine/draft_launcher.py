@@ -28,7 +28,7 @@ from blockdraft.engine.model_runner import LaunchedStep, SamplingTensorCache
 from blockdraft.engine.sequence import DraftBatch
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.forward_context import PAD_SLOT_ID, int64_tensors, padded_block_tables
-from blockdraft.models.dflash import DFlashDrafter
+from blockdraft.models.dflash_drafter import DFlashDrafter
 from blockdraft.spec_decode.dflash import DFlashProposer
 
 

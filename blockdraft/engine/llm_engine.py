@@ -42,8 +42,8 @@ from blockdraft.engine.sequence import PendingDrafts, Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
 from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import use_kernel_policy
-from blockdraft.models.decoder import DecoderLM, fuse_projections
-from blockdraft.models.dflash import DFlashConfig, load_drafter
+from blockdraft.layers.linear import fuse_projections
+from blockdraft.models.dflash_drafter import DFlashConfig, load_drafter
 from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
@@ -51,7 +51,7 @@ from blockdraft.models.loader import (
     read_checkpoint,
     read_json,
 )
-from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.registry import resolve_architecture
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.dflash import DFlashProposer
@@ -88,7 +88,8 @@ class LLMEngine:
 
             model_path = default_model_path()
         ckpt = read_checkpoint(model_path, config.load_format)
-        target_cfg = TransformerConfig.from_hf(ckpt.hf_config)
+        architecture = resolve_architecture(ckpt.hf_config)
+        target_cfg = architecture.parse_config(ckpt.hf_config)
         self.tokenizer = ckpt.tokenizer
         self.generation_defaults = ckpt.generation_defaults
         if (config.max_model_len or 0) > target_cfg.max_position_embeddings:
@@ -124,7 +125,7 @@ class LLMEngine:
 
         dtype = config.torch_dtype
         with torch.device(self.device):
-            self.model = DecoderLM(target_cfg).to(dtype)
+            self.model = architecture.model_class(target_cfg).to(dtype)
         if config.load_format == "dummy":
             init_dummy_weights(self.model)
         else:

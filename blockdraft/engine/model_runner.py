@@ -24,7 +24,7 @@ from blockdraft.kernels.forward_context import (
 )
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.sampler import SamplingTensors, sample
-from blockdraft.models.decoder import DecoderLM
+from blockdraft.models.llama import DecoderLM
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 # Split-K counters per attention layer (PagedAttention.split_counters): split-K only runs where

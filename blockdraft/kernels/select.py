@@ -180,7 +180,7 @@ def get_linear_backend(device: torch.device | str | None = None) -> LinearFn:
     """`fn(x, weight, bias, *, silu_mul_input=False) -> x @ weight.T + bias`, the skinny GEMM
     for few rows, same switch (silu_mul_input: x is a fused gate_up output and the product is
     of `silu(gate) * up`). Callers keep it to the rows it is made for
-    (`blockdraft.models.decoder.linear`)."""
+    (`blockdraft.layers.linear.linear`)."""
     if use_triton(device):
         from blockdraft.kernels import triton_linear
 

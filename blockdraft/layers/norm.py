@@ -31,3 +31,13 @@ class RMSNorm(nn.Module):
         if residual is not None and residual.dtype != x.dtype:
             return rms_norm_torch  # mixed dtypes (autocast): the kernel wants one dtype
         return self._backend(x.device)
+
+
+def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """The hidden state after a pre-norm layer from its unsummed (output, residual stream)."""
+    return x if residual is None else x + residual
+
+
+def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """`norm(x + residual)`, the last layer's residual add fused into the final norm."""
+    return norm(x) if residual is None else norm(x, residual)[0]

@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half layout), with Llama-3 frequency scaling, fused with
-the optional per-head q/k RMSNorm that precedes it (Qwen3)."""
+the optional per-head q/k RMSNorm that precedes it (Qwen3). Partial rotary (Hugging Face's
+`partial_rotary_factor`) rotates only the first `rotary_dim` dimensions of each head."""
 
 from __future__ import annotations
 
@@ -34,24 +35,28 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """The fused kernels (`forward`, `forward_store`) rotate whole heads; a partial rotary table
+    (partial_rotary_factor < 1) is applied by `rotate`."""
+
     def __init__(
         self,
         head_dim: int,
         max_position: int,
         theta: float,
         scaling: dict | None = None,
+        partial_rotary_factor: float = 1.0,
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
+        # Hugging Face's rounding: int(), then the frequencies of the rotated dimensions alone.
+        self.rotary_dim = dim = int(head_dim * partial_rotary_factor)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type not in ("default", None):
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}; supported: llama3")
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, D/2]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_pos, rotary_dim/2]
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self._backend = PerDevice(get_rope_backend)  # Triton on CUDA, else torch
         self._store_backend = PerDevice(get_rope_store_backend)
@@ -110,5 +115,9 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """RoPE alone, in torch (the drafter's training forward norms and rotates by hand)."""
-        return rope_torch(x, positions, self.cos_cache, self.sin_cache)
+        """RoPE alone, in torch (the drafter's training forward norms and rotates by hand); the
+        dimensions past rotary_dim pass through."""
+        if self.rotary_dim == x.shape[-1]:
+            return rope_torch(x, positions, self.cos_cache, self.sin_cache)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((rope_torch(rot, positions, self.cos_cache, self.sin_cache), rest), -1)

@@ -1,18 +1,14 @@
-"""Decoder-only transformer shape, parsed once from a Hugging Face `config.json` dict."""
+"""Decoder-only transformer shape, parsed once from a Hugging Face `config.json` dict (by each
+family's parser in its model file, which fixes what the family implies: Qwen3's q/k norms)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3ForCausalLM": "qwen3",
-    "LlamaForCausalLM": "llama",
-}
-
 
 @dataclass(frozen=True)
 class TransformerConfig:
-    architecture: str  # "qwen3" | "llama"
+    architecture: str  # the family's model_type: "qwen3" | "llama"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,20 +25,8 @@ class TransformerConfig:
     qk_norm: bool
 
     @classmethod
-    def from_hf(cls, hf: dict) -> TransformerConfig:
-        archs = hf.get("architectures") or []
-        arch = next(
-            (SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None
-        )
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        return cls._parse(hf, arch)
-
-    @classmethod
-    def _parse(cls, hf: dict, arch: str) -> TransformerConfig:
+    def from_hf(cls, hf: dict, architecture: str, qk_norm: bool) -> TransformerConfig:
+        """The shape in `hf`; `architecture` and `qk_norm` come from the family's parser."""
         try:
             hidden, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
             rope_params = hf.get("rope_parameters") or {}
@@ -50,7 +34,7 @@ class TransformerConfig:
                 rope_params if rope_params.get("rope_type", "default") != "default" else None
             )
             return cls(
-                architecture=arch,
+                architecture=architecture,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(hf["intermediate_size"]),
@@ -64,7 +48,7 @@ class TransformerConfig:
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=bool(hf.get("attention_bias", False)),
-                qk_norm=arch == "qwen3",
+                qk_norm=qk_norm,
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required field {e.args[0]!r}") from None

@@ -28,7 +28,7 @@ from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.forward_context import AttentionMetadata, forward_context
 from blockdraft.kernels.select import PerDevice, get_dflash_inputs_backend
 from blockdraft.layers.sampler import SamplingTensors
-from blockdraft.models.dflash import DFlashDrafter
+from blockdraft.models.dflash_drafter import DFlashDrafter
 from blockdraft.spec_decode.rejection_sampler import sample_drafts
 
 # run_block(inputs, num_reqs, block_tables [R, W] int64, max_seq_len, context features

@@ -1,8 +1,8 @@
 """The drafter under training: config of a fresh drafter, its training forward, and saving it.
 
-Training uses the inference module itself (`blockdraft.models.dflash.DFlashDrafter`) and calls
-its submodules in the same order as its paged forward, only with the attention done densely
-or by FlexAttention over a packed batch. So the trained parameters are, name for name, what
+Training uses the inference module itself (`blockdraft.models.dflash_drafter.DFlashDrafter`)
+and calls its submodules in the same order as its paged forward, only with the attention done
+densely or by FlexAttention over a packed batch. So the trained parameters are, name for name, what
 the engine and z-lab's `DFlashDraftModel` load.
 """
 
@@ -21,15 +21,19 @@ from blockdraft.kernels import select
 from blockdraft.kernels.cross_entropy import chunked_cross_entropy
 from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
 from blockdraft.kernels.triton_env import triton_interpreting
-from blockdraft.models.decoder import DecoderLM
-from blockdraft.models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from blockdraft.models.dflash_drafter import (
+    DFlashConfig,
+    DFlashDrafter,
+    default_target_layer_ids,
+)
+from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
     read_checkpoint,
 )
-from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.registry import resolve_architecture
 from blockdraft.tokenizer import Tokenizer
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's, frozen, never saved
@@ -57,12 +61,13 @@ def load_target(
 
         model = default_model_path()
     ckpt = read_checkpoint(model, load_format)
-    cfg = TransformerConfig.from_hf(ckpt.hf_config)
+    architecture = resolve_architecture(ckpt.hf_config)
+    cfg = architecture.parse_config(ckpt.hf_config)
     cfg = dataclasses.replace(
         cfg, max_position_embeddings=max(cfg.max_position_embeddings, max_positions)
     )
     with torch.device(device):
-        target = DecoderLM(cfg).to(dtype)
+        target = architecture.model_class(cfg).to(dtype)
     if load_format == "dummy":
         init_dummy_weights(target)
     else:
@@ -160,7 +165,7 @@ def drafter_hf_config(
 ) -> dict:
     """A z-lab `config.json` for a new drafter of `target_hf`: the target's widths (hidden,
     heads, head_dim, MLP, eps, RoPE, vocab) with `num_layers` Qwen3 layers."""
-    t = TransformerConfig.from_hf(target_hf)
+    t = resolve_architecture(target_hf).parse_config(target_hf)
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(t.num_layers, num_target_features or num_layers)
     if not 0 <= mask_token_id < t.vocab_size:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
+from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
     IGNORE_INDEX,

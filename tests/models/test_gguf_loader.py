@@ -425,12 +425,12 @@ def qwen3_file(tmp_path_factory: pytest.TempPathFactory):
 def test_header_parser_agrees_with_gguf_reader(qwen3_file) -> None:
     import mmap
 
-    from blockdraft.models import gguf_loader
+    from blockdraft.models.gguf_reader import read_header
 
     path, _ = qwen3_file
     reader = gguf.GGUFReader(str(path))
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        metadata, tensors, data_start = gguf_loader._read_header(buf)
+        metadata, tensors, data_start = read_header(buf)
     expected = {k: v.contents() for k, v in reader.fields.items() if not k.startswith("GGUF.")}
     assert metadata == expected
     assert metadata["test.u64"] == 2**64 - 1 and metadata["test.str"] == "ünïcødé ✓"

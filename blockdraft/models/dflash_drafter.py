@@ -17,9 +17,10 @@ from torch import nn
 
 from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.linear import linear
+from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.decoder import DecoderLayer, DecoderLM, final_norm, linear
+from blockdraft.models.llama import DecoderLayer, DecoderLM, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 
 
@@ -60,7 +61,7 @@ class DFlashConfig:
                 "this drafter samples from the anchor (DSpark layout, sample_from_anchor=true); "
                 "only DFlash drafters, whose anchor is the bonus token, are supported"
             )
-        body = TransformerConfig._parse(hf, "qwen3")
+        body = qwen3_config(hf)
         if value("mask_token_id") is None:
             raise ValueError("drafter config has no mask_token_id (in dflash_config)")
         num_target_layers = value("num_target_layers")
@@ -137,7 +138,7 @@ class DFlashDrafter(nn.Module):
         # Shared with the target (and frozen) unless the checkpoint ships its own.
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
-        # The kernel the layers use (unless the RoPE kernel stores: FUSE_KV_STORE_INTO_ROPE).
+        # The kernel the layers use (unless the RoPE kernel stores: fuse_kv_store_into_rope).
         self._store_kv = PerDevice(get_store_kv_backend)
 
     @property

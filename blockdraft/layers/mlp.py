@@ -1,0 +1,58 @@
+"""Dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one GEMM."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdraft.kernels.forward_context import current_kernel_policy
+from blockdraft.kernels.rope import silu_mul_torch
+from blockdraft.kernels.select import PerDevice, get_silu_mul_backend, needs_autograd
+from blockdraft.layers.linear import fuse_linears, linear, prologue_fits, skinny_linear
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self._silu_mul = PerDevice(get_silu_mul_backend)  # Triton on CUDA, else torch
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for gate and up instead of two."""
+        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if self._gate_up is None:
+            return self.down(self.gate_proj(x), self.up_proj(x))
+        return self.down_gate_up(linear(x, *self._gate_up))
+
+    def down_gate_up(
+        self,
+        gate_up: torch.Tensor,  # [num_tokens, 2 * intermediate], the fused projection's output
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused gate/up projection."""
+        down, policy = self.down_proj, current_kernel_policy()
+        rows = policy.silu_mul_prologue_max_rows
+        fits = prologue_fits(gate_up, down.weight, down.bias, max_rows=rows)
+        if policy.fuse_silu_mul_into_down and fits:
+            return skinny_linear(gate_up, down.weight, down.bias, silu_mul_input=True)
+        # row-strided halves of one output; the activation kernel reads them in place
+        return self.down(*gate_up.chunk(2, dim=-1))
+
+    def down(
+        self,
+        gate: torch.Tensor,  # [num_tokens, intermediate]
+        up: torch.Tensor,  # [num_tokens, intermediate]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        down = self.down_proj
+        if needs_autograd(gate, up):
+            act = silu_mul_torch(gate, up)
+        else:
+            act = self._silu_mul(gate.device)(gate, up)
+        return linear(act, down.weight, down.bias)

@@ -1,0 +1,145 @@
+"""The attention front-end of a decoder layer: q/k/v projections (fused into one GEMM), the
+optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention and the output projection."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdraft.kernels.forward_context import current_kernel_policy
+from blockdraft.kernels.select import StoreKVFn, needs_autograd
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.linear import fuse_linears, linear
+from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.rotary import RotaryEmbedding
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        bias: bool = False,  # on q, k, v and o
+        qk_norm_eps: float | None = None,  # per-head RMSNorm of q and k (Qwen3); None: none
+        causal: bool = True,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        h, d = hidden_size, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, d
+        self.q_proj = nn.Linear(h, num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(num_heads * d, h, bias=bias)
+        self.qk_norm = qk_norm_eps is not None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(d, qk_norm_eps)
+            self.k_norm = RMSNorm(d, qk_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(num_heads, num_kv_heads, d, causal, window)
+        self._split = (num_heads * d, num_kv_heads * d, num_kv_heads * d)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q, k and v (and one for the drafter's context k and v) instead of three."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def project_kv(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, Hkv, D], rotated keys
+        k, v = self._kv_heads(x)
+        return self.norm_rope(positions, None, k)[1], v
+
+    def write_kv(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+        slot_mapping: torch.Tensor,  # [num_tokens] int64, PAD_SLOT_ID rows write nothing
+        store_kv: StoreKVFn,
+    ) -> None:
+        """`project_kv` into this layer's cache at slot_mapping (the drafter's context rows): by
+        the RoPE kernel under KernelPolicy.fuse_kv_store_into_rope, else by store_kv."""
+        k, v = self._kv_heads(x)
+        cache = self.attn.key_cache, self.attn.value_cache
+        if self.fuses_kv_store(k, v):
+            self.rotary.forward_store(positions, None, k, v, *cache, slot_mapping, *self._norms())
+        else:
+            store_kv(self.norm_rope(positions, None, k)[1], v, *cache, slot_mapping)
+
+    def _kv_heads(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, Hkv, D], before norm and RoPE
+        if self._qkv is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:
+            weight, bias = self._qkv
+            q_rows = self._split[0]  # the k and v rows of the fused matrix are contiguous
+            kv = linear(x, weight[q_rows:], None if bias is None else bias[q_rows:])
+            k, v = kv.split(self._split[1:], dim=-1)
+        heads = (-1, self.num_kv_heads, self.head_dim)
+        return k.view(heads), v.view(heads)
+
+    def _norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q_norm_weight, k_norm_weight, eps) for the rotary kernels; no weights: no q/k norm."""
+        if not self.qk_norm:
+            return None, None, 1e-6
+        # Both norms are built with the config's eps; the fused kernel takes one.
+        return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps
+
+    def fuses_kv_store(self, *tensors: torch.Tensor) -> bool:
+        """Whether the RoPE kernel stores the keys and values (`fuse_kv_store_into_rope` of the
+        kernel policy): not under autograd, which the separate store's path keeps for training."""
+        fuse = current_kernel_policy().fuse_kv_store_into_rope
+        return fuse and not needs_autograd(*tensors, *self._norms()[:2])
+
+    def norm_rope(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64
+        q: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]; None: keys only
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (q, k)
+        """q/k norms (Qwen3) and RoPE in one fused kernel on the Triton path."""
+        return self.rotary(positions, q, k, *self._norms())
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if self._qkv is not None:
+            return self.attend(linear(x, *self._qkv), positions)
+        return self.attend_qkv(self.q_proj(x), self.k_proj(x), self.v_proj(x), positions)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, q + 2 kv], the fused projection's output
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused q/k/v projection (split into row views)."""
+        return self.attend_qkv(*qkv.split(self._split, dim=-1), positions)
+
+    def attend_qkv(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.fuses_kv_store(q, k, v):
+            rotary = self.rotary
+            out = self.attn.rope_store_attend(
+                q, k, v, positions, rotary.cos_cache, rotary.sin_cache, *self._norms()
+            )
+        else:
+            q, k = self.norm_rope(positions, q, k)
+            out = self.attn(q, k, v)
+        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)

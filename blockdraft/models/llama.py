@@ -1,0 +1,146 @@
+"""The Llama family: Llama and Qwen3 dense, decoder-only transformers over flat token batches.
+
+Pre-norm layers of `SelfAttention` (q/k norms for Qwen3) and a dense SwiGLU `MLP`. Parameter
+names follow Hugging Face (`model.layers.{i}.self_attn.q_proj.weight`, ...) so that checkpoints
+load without renaming. The DFlash drafter reuses `DecoderLayer` with non-causal attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.linear import linear, norm_linear, norm_prologue_fits
+from blockdraft.layers.mlp import MLP
+from blockdraft.layers.norm import RMSNorm, final_norm, layer_output
+from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.layers.self_attention import SelfAttention
+from blockdraft.models.model_config import TransformerConfig
+
+
+def llama_config(hf: dict) -> TransformerConfig:
+    """`LlamaForCausalLM`'s config.json."""
+    return TransformerConfig.from_hf(hf, "llama", qk_norm=False)
+
+
+def qwen3_config(hf: dict) -> TransformerConfig:
+    """`Qwen3ForCausalLM`'s config.json: Llama with per-head q/k RMSNorm before RoPE."""
+    return TransformerConfig.from_hf(hf, "qwen3", qk_norm=True)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        rotary: RotaryEmbedding,
+        causal: bool = True,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = SelfAttention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rotary,
+            bias=cfg.attention_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            causal=causal,
+            window=window,
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden], the previous layer's MLP output (or the input)
+        positions: torch.Tensor,  # [num_tokens] int64
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x is the stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
+        """Pre-norm block whose output `mlp_out + residual` is left unsummed: each residual add
+        is fused into the norm after it (one kernel on the Triton path), the last one into the
+        next layer's input norm or the final norm. `layer_output` sums it where it is needed."""
+        if self._norms_fuse(x, residual):
+            # Each norm formed in the loads of the skinny GEMM after it: same outputs and stream.
+            attn, mlp = self.self_attn, self.mlp
+            qkv, residual = norm_linear(self.input_layernorm, x, residual, *attn._qkv)
+            h = attn.attend(qkv, positions)
+            gate_up, residual = norm_linear(
+                self.post_attention_layernorm, h, residual, *mlp._gate_up
+            )
+            return mlp.down_gate_up(gate_up), residual
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def _norms_fuse(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether both norms can go into the skinny q/k/v and gate/up GEMMs (fused
+        projections, `norm_prologue_fits`)."""
+        qkv, gate_up = self.self_attn._qkv, self.mlp._gate_up
+        if qkv is None or gate_up is None:
+            return False
+        norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        return norm_prologue_fits(x, residual, norms, *qkv, *gate_up)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """Target model. `forward` also returns the hidden states after the decoder layers listed in
+    `capture_layer_ids` (DFlash target features), concatenated, taken in the same pass."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.capture_layer_ids: tuple[int, ...] = ()
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (final hidden [num_tokens, hidden], features [num_tokens, K*hidden] or None)."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        captured = {}
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, positions, residual)
+            if i in self.capture_layer_ids:
+                # Summed only where captured; elsewhere the add is fused into the next norm.
+                x, residual = layer_output(x, residual), None
+                captured[i] = x
+        x = final_norm(self.model.norm, x, residual)
+        last = len(self.model.layers) - 1
+        if last in captured:
+            # transformers' hidden_states tuple (what drafters are trained on) ends with the
+            # final-normed output, not the last layer's raw one.
+            captured[last] = x
+        features = (
+            torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1) if captured else None
+        )
+        return x, features
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
