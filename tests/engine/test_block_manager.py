@@ -255,7 +255,7 @@ def test_random_traffic_keeps_the_books(py_rng: random.Random, block_size: int) 
     manager = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     # What each block's K/V were computed from: the tokens up to the block's end.
     contents: dict[int, tuple[int, ...]] = {}
-    stems = [random_tokens(py_rng, py_rng.randrange(1, 4 * block_size)) for _ in range(3)]
+    stems = [random_tokens(py_rng, py_rng.randrange(2, 5) * block_size) for _ in range(3)]
     live: list[Sequence] = []
     num_hits = 0
 
