@@ -63,9 +63,12 @@ def num_blocks_for(sched: Scheduler, num_tokens: int) -> int:
     return -(-num_tokens // sched.block_manager.block_size)
 
 
-def test_long_prompt_is_prefilled_over_several_steps(py_rng: random.Random) -> None:
+@pytest.mark.parametrize("speculative", [False, True])
+def test_long_prompt_is_prefilled_over_several_steps(
+    py_rng: random.Random, speculative: bool
+) -> None:
     budget = py_rng.randrange(8, 40)
-    lookahead = py_rng.choice([0, py_rng.randrange(2, 17)])
+    lookahead = py_rng.randrange(2, 17) if speculative else 0
     sched = make_scheduler(
         block_size=py_rng.choice([4, 16]),
         max_num_batched_tokens=budget,
@@ -319,13 +322,67 @@ def test_cached_tokens_never_exceed_the_prompt(py_rng: random.Random) -> None:
     sched.add(old)
     sched.add(new)
     # Both decode until the pool runs out: the newest is preempted with 3 full blocks computed.
-    while not sched.num_preemptions:
+    for _ in range(20):
         advance(sched, sched.schedule(), py_rng)
+        if sched.num_preemptions:
+            break
     assert list(sched.waiting) == [new]
     sched.finish(old)
     chunks = sched.schedule()
     assert chunks[0].seq is new and chunks[0].start >= 2 * block_size
     assert new.num_cached_tokens <= new.num_prompt_tokens
+
+
+def test_no_admission_in_a_step_that_preempted(py_rng: random.Random) -> None:
+    """A request preempted in a step waits for the next one, even when its cached blocks would
+    let it back in at once."""
+    block_size = 4
+    sched = make_scheduler(
+        num_blocks=5, block_size=block_size, max_num_batched_tokens=9, enable_prefix_caching=True
+    )
+    short = make_seq(py_rng, block_size, "short")
+    long = make_seq(py_rng, 3 * block_size + 1, "long")
+    sched.add(short)
+    sched.add(long)
+    chunks = sched.schedule()
+    assert summary(chunks) == [("short", 0, 4), ("long", 0, 5)]
+    advance(sched, chunks, py_rng)  # long: its first block computed and cached
+    # short's decode takes a block; long's next chunk needs two more, one is left: long (the
+    # newest) is preempted, with one cached block and three free ones, enough to come back.
+    chunks = sched.schedule()
+    assert summary(chunks) == [("short", block_size, 1)]
+    assert list(sched.waiting) == [long] and sched.num_preemptions == 1
+    assert sched.block_manager.num_free_blocks == 3
+    advance(sched, chunks, py_rng)
+    chunks = sched.schedule()
+    assert summary(chunks) == [("short", block_size + 1, 1), ("long", block_size, 8)]
+
+
+def test_failed_admission_returns_its_cached_blocks(py_rng: random.Random) -> None:
+    """A request whose prefix is cached but whose other blocks do not fit gives the cached ones
+    back: they stay free and evictable, and it holds nothing while it waits."""
+    block_size = 4
+    sched = make_scheduler(num_blocks=6, block_size=block_size, enable_prefix_caching=True)
+    first = make_seq(py_rng, 2 * block_size + 1, "first")
+    sched.add(first)
+    advance(sched, sched.schedule(), py_rng)
+    cached = first.block_table[:2]
+    sched.finish(first)
+    filler = make_seq(py_rng, 3 * block_size, "filler")  # takes the three untouched blocks
+    sched.add(filler)
+    advance(sched, sched.schedule(), py_rng)
+    assert not set(filler.block_table) & set(cached)
+    # Shares the two cached blocks, needs two more, one is left.
+    prompt = first.token_ids[: 2 * block_size] + [1] * (2 * block_size)
+    again = Sequence("again", None, prompt, SamplingParams(), seed=0, max_tokens=1000)
+    sched.add(again)
+    free = sched.block_manager.num_free_blocks
+    chunks = sched.schedule()
+    assert [c.seq for c in chunks] == [filler]
+    assert list(sched.waiting) == [again]
+    assert again.block_table == [] and again.num_computed_tokens == 0
+    assert sched.block_manager.num_free_blocks == free - 1  # filler's next block only
+    assert all(sched.block_manager.ref_counts[b] == 0 for b in cached)
 
 
 def spec_decoding(
@@ -335,8 +392,11 @@ def spec_decoding(
     seqs = [make_seq(py_rng, py_rng.randrange(1, 30), f"r{i}") for i in range(num_reqs)]
     for seq in seqs:
         sched.add(seq)
-    while any(seq.num_output_tokens == 0 for seq in seqs):
+    for _ in range(30):
+        if all(seq.num_output_tokens for seq in seqs):
+            break
         advance(sched, sched.schedule(), py_rng)
+    assert all(seq.num_output_tokens for seq in seqs)
     for row, (seq, num_drafts) in enumerate(zip(seqs, drafts, strict=True)):
         # The drafts' values stay on the device: the scheduler only reads how many there are.
         tokens = torch.zeros(num_reqs, num_drafts, dtype=torch.int64)
