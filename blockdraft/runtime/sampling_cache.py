@@ -13,7 +13,7 @@ from blockdraft.sampling_params import SamplingParams
 
 
 class SamplingRequest(Protocol):
-    """What sampling reads of a request (the engine's Sequence)."""
+    """What sampling reads of a request (the engine's Sequence); hashed by identity."""
 
     params: SamplingParams
     seed: int  # resolved: the request's own or one drawn from the engine's seed
