@@ -40,9 +40,13 @@ class LoadedModels:
 
     @property
     def lookahead(self) -> int:
-        """Rows past the committed tokens a step may write (anchor + N masks), for any N the
-        draft schedule picks (all are <= num_spec)."""
-        return self.num_spec + 1 if self.num_spec else 0
+        return lookahead_rows(self.num_spec)
+
+
+def lookahead_rows(num_spec: int) -> int:
+    """Rows past the committed tokens a step may write (anchor + N masks), for any N the draft
+    schedule picks (all are <= num_spec)."""
+    return num_spec + 1 if num_spec else 0
 
 
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
@@ -77,7 +81,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         draft_schedule = DraftSchedule.resolve(
             spec.num_speculative_tokens_by_batch, num_spec, device.type
         )
-    lookahead = num_spec + 1 if num_spec else 0
+    lookahead = lookahead_rows(num_spec)
     # RoPE tables cover the block the drafter writes past the last committed token.
     max_positions = max(target_cfg.max_position_embeddings, max_model_len + 2 * lookahead)
     target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
@@ -97,13 +101,15 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
                 or (name == "lm_head.weight" and target_cfg.tie_word_embeddings)
             ),
         )
-    loaded = LoadedModels(
-        model, None, ckpt.tokenizer, ckpt.eos_token_ids, ckpt.generation_defaults,
-        max_model_len, num_spec, draft_schedule,
-    )  # fmt: skip
-    del ckpt
+    tokenizer, eos_token_ids, generation_defaults = (
+        ckpt.tokenizer,
+        ckpt.eos_token_ids,
+        ckpt.generation_defaults,
+    )
+    del ckpt  # its tensors are copied into the model: freed before the drafter loads
     model.eval().requires_grad_(False)
     fuse_projections(model)
+    drafter = None
     if spec is not None:
         drafter = load_drafter(
             spec.model,
@@ -116,5 +122,13 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         )
         fuse_projections(drafter)
         model.capture_layer_ids = drafter.cfg.target_layer_ids
-        loaded.drafter = drafter
-    return loaded
+    return LoadedModels(
+        model,
+        drafter,
+        tokenizer,
+        eos_token_ids,
+        generation_defaults,
+        max_model_len,
+        num_spec,
+        draft_schedule,
+    )
