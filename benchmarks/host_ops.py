@@ -30,9 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table, write_dummy_drafter  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
-from blockdraft.engine.cuda_graphs import EagerGraph  # noqa: E402
 from blockdraft.models.dflash_drafter import DFlashDrafter  # noqa: E402
 from blockdraft.models.llama import DecoderLM  # noqa: E402
+from blockdraft.runtime.cuda_graph_runner import EagerGraph  # noqa: E402
 
 TINY_QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"],

@@ -18,7 +18,6 @@ import torch
 import triton.testing
 
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
-from blockdraft.kernels.forward_context import build_attention_metadata
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.triton_activation import silu_mul_torch, triton_silu_mul
 from blockdraft.kernels.triton_attention import choose_num_splits, triton_paged_attention
@@ -27,6 +26,7 @@ from blockdraft.kernels.triton_kv_store import triton_store_kv
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm
 from blockdraft.kernels.triton_rope import qk_norm_rope_torch, triton_qk_norm_rope
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.runtime.host_batch import build_attention_metadata
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 INTERMEDIATE = 12288  # Qwen3-8B's MLP width

@@ -178,10 +178,11 @@ def test_decode_breakdown_variants_leave_out_what_they_name(rng, set_policy) -> 
     (keys and values still stored), attention over the cache on the raw queries, or the raw
     queries; "full" is the layer's own forward."""
     from benchmarks import decode_breakdown
-    from blockdraft.engine.model_runner import allocate_kv_cache
-    from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+    from blockdraft.engine.kv_cache import allocate_kv_cache
+    from blockdraft.kernels.forward_context import forward_context
     from blockdraft.layers.rotary import RotaryEmbedding
     from blockdraft.layers.self_attention import SelfAttention
+    from blockdraft.runtime.host_batch import build_attention_metadata
 
     set_policy(backend="torch")
     rotary = RotaryEmbedding(8, 64, 10000.0, None)

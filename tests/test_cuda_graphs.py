@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
-from blockdraft.engine.cuda_graphs import CUDAGraphRunner
 from blockdraft.engine.model_runner import run_forward
+from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
 
@@ -62,7 +62,9 @@ def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) 
     graphed = LLM(str(target), speculative_config=spec, max_model_len=64)
     capture_twins(graphed, [1, 2, 4, 8])
     calls = []
-    for runner in [*graphed.engine.runner.graphs.values(), *graphed.engine.drafter_graphs.values()]:
+    engine = graphed.engine
+    drafter_graphs = engine.proposer.graphs.values() if engine.proposer else []
+    for runner in [*engine.runner.graphs.values(), *drafter_graphs]:
         original = runner.run
         runner.run = lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k)
     outs = graphed.generate(prompts, params, use_tqdm=False)
@@ -107,7 +109,7 @@ def test_draft_schedule_replays_a_graph_per_draft_count(pair, rng) -> None:
     graphed, prompts, params, expected = scheduled_engines(pair, rng, 7, {3: 3})
     engine = graphed.engine
     runners = {("target", q): r for q, r in engine.runner.graphs.items()}
-    runners |= {("drafter", q): r for q, r in engine.drafter_graphs.items()}
+    runners |= {("drafter", q): r for q, r in engine.proposer.graphs.items()}
     assert {key: r.batch_sizes for key, r in runners.items()} == {
         ("target", 1): [1, 2, 4, 8],
         ("target", 4): [4, 8],
@@ -131,7 +133,7 @@ def test_no_draft_steps_replay_the_decode_graph(pair, rng) -> None:
     engine = graphed.engine
     target_sizes = {q: r.batch_sizes for q, r in engine.runner.graphs.items()}
     assert target_sizes == {1: [1, 2, 4, 8], 5: [1, 2]}
-    assert {q: r.batch_sizes for q, r in engine.drafter_graphs.items()} == {5: [1, 2]}
+    assert {q: r.batch_sizes for q, r in engine.proposer.graphs.items()} == {5: [1, 2]}
     replays = {q: count_replays(r) for q, r in engine.runner.graphs.items()}
     outs = graphed.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
@@ -174,7 +176,7 @@ def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
     graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=4)
     capture_twins(graphed, [1, 2, 4])
     engine = graphed.engine
-    (q, graphed_context), = engine.drafter_contexts.items()
+    (q, graphed_context), = engine.proposer.graphed_contexts.items()
     assert q == engine.proposer.drafter.cfg.block_size
     events: list[str] = []
     load, clear = graphed_context.load, graphed_context.clear
@@ -182,7 +184,7 @@ def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
     graphed_context.clear = lambda: events.append("clear") or clear()
     eager_write = engine.proposer.write_context
     engine.proposer.write_context = lambda *a: events.append("eager") or eager_write(*a)
-    runner = engine.drafter_graphs[q]
+    runner = engine.proposer.graphs[q]
     replay = runner.run
     runner.run = lambda *a: events.append("replay") or replay(*a)
     drafts = record_drafts(graphed)
@@ -202,8 +204,8 @@ def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
 def test_graphed_context_pads_the_rows_it_is_not_given(pair, rng) -> None:
     """A smaller batch after a larger one: the rows past it go back to PAD, so the replay does
     not rewrite the larger batch's context into slots that may have changed hands."""
-    from blockdraft.engine.draft_launcher import GraphedContext
     from blockdraft.kernels.forward_context import PAD_SLOT_ID
+    from blockdraft.spec_decode.graphed_context import GraphedContext
 
     target, drafter = pair
     llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)},

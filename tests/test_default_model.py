@@ -7,8 +7,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.engine.sequence import Sequence
-from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.kernels.forward_context import forward_context
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
+from blockdraft.runtime.host_batch import build_attention_metadata
 
 
 @pytest.fixture(scope="module")

@@ -377,18 +377,18 @@ def run_counting_readbacks(engine, arrivals: dict[int, list], monkeypatch) -> di
 
 
 def spy_draft_gathers(monkeypatch) -> list[str]:
-    """Records how each verify found its drafts (see model_runner.gather_drafts)."""
-    from blockdraft.engine import model_runner
+    """Records how each verify found its drafts (see verify.gather_drafts)."""
+    from blockdraft.spec_decode import verify
 
     kinds: list[str] = []
-    original = model_runner.shared_draft_batch
+    original = verify.shared_draft_batch
 
-    def spy(seqs):
-        batch, rows = original(seqs)
+    def spy(pending):
+        batch, rows = original(pending)
         kinds.append("stacked" if batch is None else "indexed" if rows else "whole")
         return batch, rows
 
-    monkeypatch.setattr(model_runner, "shared_draft_batch", spy)
+    monkeypatch.setattr(verify, "shared_draft_batch", spy)
     return kinds
 
 

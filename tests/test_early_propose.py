@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
-from blockdraft.kernels.forward_context import slots_for_positions
+from blockdraft.runtime.host_batch import slots_for_positions
 
 from checkpoints import make_dflash_drafter, make_predictable_target
 

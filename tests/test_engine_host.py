@@ -9,10 +9,10 @@ import torch
 
 from blockdraft import SamplingParams
 from blockdraft.engine.block_manager import BlockManager
-from blockdraft.engine.model_runner import SamplingTensorCache, sampling_tensors
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.sequence import Sequence
-from blockdraft.kernels.forward_context import int64_tensors
+from blockdraft.runtime.host_batch import int64_tensors
+from blockdraft.runtime.sampling_cache import SamplingTensorCache, sampling_tensors
 
 EOS = 2
 

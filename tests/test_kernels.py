@@ -27,9 +27,7 @@ from blockdraft.kernels.dflash_inputs import (  # noqa: E402
 from blockdraft.kernels.forward_context import (  # noqa: E402
     PAD_SLOT_ID,
     AttentionMetadata,
-    build_attention_metadata,
     forward_context,
-    slots_for_positions,
 )
 from blockdraft.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
 from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
@@ -69,6 +67,10 @@ from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
 from blockdraft.layers.sampler import SamplingTensors, sample  # noqa: E402
 from blockdraft.models.llama import DecoderLayer  # noqa: E402
 from blockdraft.models.model_config import TransformerConfig  # noqa: E402
+from blockdraft.runtime.host_batch import (  # noqa: E402
+    build_attention_metadata,
+    slots_for_positions,
+)
 from blockdraft.spec_decode.rejection_sampler import rejection_sample, sample_drafts  # noqa: E402
 
 from checkpoints import make_dflash_drafter, make_qwen3_checkpoint  # noqa: E402

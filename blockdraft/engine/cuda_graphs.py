@@ -1,38 +1,17 @@
-"""CUDA graphs for uniform steps: every request computes the same number of rows (1 for a
-decode, 1+N for a verify or a drafter block). One graph per padded batch size; inputs are
-copied into persistent buffers at fixed addresses, padded requests point at the PAD slot and
-read only their own first keys, so a replay never depends on stale rows.
-
-Attention runs over a fixed key span (max_model_len + lookahead) with keys past each sequence
-masked, so one graph serves every context length."""
+"""Capture of the uniform steps' CUDA graphs (blockdraft/runtime/cuda_graph_runner.py): decode
+at every batch bucket; verify (the target's, held by the model runner) and propose (the
+drafter's, held by the proposer) of 1+N rows for each N of the draft schedule, at the buckets of
+the batch sizes that use that N. All share one memory pool. Off CUDA the graphs are eager twins
+(tests)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from blockdraft.kernels.forward_context import PAD_SLOT_ID, AttentionMetadata, forward_context
-
-ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
-
-
-class EagerGraph:
-    """The CPU twin of a captured CUDA graph: `replay` re-runs the forward on the persistent
-    buffers and writes into the outputs returned at capture, exactly where a graph replay would
-    leave them. Tests use it to check the buffer handling without a GPU."""
-
-    def __init__(self, forward: Callable[[], object]) -> None:
-        self.forward = forward
-        self.out = forward()
-
-    @torch.inference_mode()
-    def replay(self) -> None:
-        new = self.forward()
-        pairs = zip(self.out, new, strict=True) if isinstance(new, tuple) else [(self.out, new)]
-        for dst, src in pairs:
-            if dst is not None:
-                dst.copy_(src)
+from blockdraft.engine.model_runner import ModelRunner
+from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
+from blockdraft.spec_decode.proposer import DFlashProposer
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -40,97 +19,31 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [max_num_seqs]
 
 
-class CUDAGraphRunner:
-    def __init__(
-        self,
-        forward: ForwardFn,
-        query_len: int,
-        batch_sizes: list[int],
-        max_blocks_per_seq: int,
-        block_size: int,
-        device: torch.device,
-        pool: object | None = None,
-    ) -> None:
-        self.forward, self.query_len, self.block_size = forward, query_len, block_size
-        self.batch_sizes = sorted(batch_sizes)
-        self.max_blocks = max_blocks_per_seq
-        max_rows = self.batch_sizes[-1] * query_len
-        i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_rows, **i64)  # [max_rows]
-        self.positions = torch.zeros(max_rows, **i64)
-        self.slot_mapping = torch.full((max_rows,), PAD_SLOT_ID, **i64)
-        self.seq_lens = torch.full((self.batch_sizes[-1],), query_len, **i64)
-        self.block_tables = torch.zeros(self.batch_sizes[-1], max_blocks_per_seq, **i64)
-        self.query_start_loc = torch.arange(self.batch_sizes[-1] + 1, **i64) * query_len
-        # Positions of padded requests (0 .. q-1 each), made once instead of on every replay.
-        self.pad_positions = torch.arange(query_len, **i64).repeat(self.batch_sizes[-1])
-        self.pool = pool
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, object]] = {}
+def capture_graphs(
+    runner: ModelRunner,
+    proposer: DFlashProposer | None,
+    draft_schedule: DraftSchedule | None,
+    batch_sizes: list[int],
+    max_blocks_per_seq: int,
+) -> None:
+    pool = None
 
-    def _meta(self, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[: batch * self.query_len],
-            query_start_loc=self.query_start_loc[: batch + 1],
-            seq_lens=self.seq_lens[:batch],
-            block_tables=self.block_tables[:batch],
-            max_query_len=self.query_len,
-            max_seq_len=self.max_blocks * self.block_size,
-            block_size=self.block_size,
-            uniform_query_len=True,
+    def capture_target(q: int, sizes: list[int]) -> None:
+        nonlocal pool
+        graphs = CUDAGraphRunner(
+            runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool
         )
+        graphs.capture()
+        runner.graphs[q], pool = graphs, graphs.pool
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        for batch in reversed(self.batch_sizes):  # largest first, so smaller ones reuse its pool
-            rows = batch * self.query_len
-            args = (self.input_ids[:rows], self.positions[:rows])
-            if self.input_ids.device.type != "cuda":
-                twin = EagerGraph(lambda b=batch, a=args: self._eager(b, a))
-                self.graphs[batch] = (twin, twin.out)
-                continue
-            self._eager(batch, args)  # warm-up outside the graph (lazy init, autotuning)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), forward_context(self._meta(batch)):
-                out = self.forward(*args)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[batch] = (graph, out)
-
-    def _eager(self, batch: int, args: tuple[torch.Tensor, torch.Tensor]) -> object:
-        with forward_context(self._meta(batch)):
-            return self.forward(*args)
-
-    def fits(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks
-
-    def run(
-        self,
-        input_ids: torch.Tensor,  # [R * q] int64 (host or device)
-        positions: torch.Tensor,  # [R * q] int64 (host or device)
-        slot_mapping: torch.Tensor,  # [R * q] int64 (host or device)
-        seq_lens: torch.Tensor,  # [R] int64 (host or device)
-        block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host or device)
-        device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
-    ) -> object:
-        """Inputs come from the host (the target's steps: one transfer each) or were built on
-        the device (the drafter's, from the target step's results: copied there, with no
-        host round trip). `device_ids` are input ids only the device holds (a verify's
-        drafts): written over those rows of the input buffer there, after the other ids."""
-        num_seqs = seq_lens.shape[0]
-        batch = next(b for b in self.batch_sizes if b >= num_seqs)
-        rows, pad_rows = num_seqs * self.query_len, batch * self.query_len
-        self.input_ids[:rows].copy_(input_ids, non_blocking=True)
-        if device_ids is not None:
-            self.input_ids.index_copy_(0, *device_ids)
-        self.positions[:rows].copy_(positions, non_blocking=True)
-        self.slot_mapping[:rows].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        if pad_rows > rows:  # padded requests: write to the PAD slot, see only their own rows
-            self.slot_mapping[rows:pad_rows].fill_(PAD_SLOT_ID)
-            self.seq_lens[num_seqs:batch].fill_(self.query_len)
-            self.positions[rows:pad_rows].copy_(self.pad_positions[: pad_rows - rows])
-        graph, out = self.graphs[batch]
-        graph.replay()
-        return out
+    capture_target(1, batch_sizes)
+    for n in draft_schedule.all_num_drafts if draft_schedule else []:
+        if n == 0:  # no drafts: the steps after are plain decodes (graphs[1])
+            continue
+        sizes = draft_schedule.graph_batch_sizes(n, batch_sizes)
+        if not sizes:  # only batches above max_num_seqs would use this N
+            continue
+        capture_target(n + 1, sizes)
+        pool = proposer.capture_graphs(n, sizes, max_blocks_per_seq, pool)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()

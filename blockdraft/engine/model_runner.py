@@ -1,35 +1,30 @@
 """Model runner: turns a scheduled step into flat tensors, runs the target, samples or verifies
 (`launch`, all queued on the device), then reads the results back once (`finish`). The engine
-queues the drafter's work between the two. It orchestrates; the feature logic lives in the
-modules it calls."""
+queues the drafter's work between the two. It orchestrates; the verify's inputs and rejection
+sampling are the speculator's (blockdraft/spec_decode/verify.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
 import torch
 
-from blockdraft.engine.cuda_graphs import CUDAGraphRunner
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.engine.sequence import DraftBatch, Sequence
-from blockdraft.kernels.forward_context import (
+from blockdraft.kernels.forward_context import forward_context
+from blockdraft.layers.sampler import sample
+from blockdraft.models.llama import DecoderLM
+from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.runtime.host_batch import (
     build_attention_metadata,
     flat_slots,
-    forward_context,
     host_int64,
     int64_tensors,
     padded_block_tables,
 )
-from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.sampler import SamplingTensors, sample
-from blockdraft.models.llama import DecoderLM
-from blockdraft.spec_decode.rejection_sampler import rejection_sample
-
-# Split-K counters per attention layer (PagedAttention.split_counters): split-K only runs where
-# num_seqs * num_kv_heads programs leave SMs idle, so this covers any GPU's SM count.
-SPLIT_COUNTERS = 1024
+from blockdraft.runtime.sampling_cache import SamplingTensorCache
+from blockdraft.spec_decode.draft_launch import TargetStep
+from blockdraft.spec_decode.verify import Verifier, VerifyInputs
 
 
 @dataclass
@@ -60,6 +55,24 @@ class LaunchedStep:
     readback: torch.Tensor | None  # [D + V * (N+1) + V] int64
     readback_ready: torch.cuda.Event | None
 
+    def target_step(self) -> TargetStep:
+        """The step as the drafter sees it."""
+        chunks = self.chunks
+        return TargetStep(
+            [c.start for c in chunks],
+            [len(c.token_ids) for c in chunks],
+            self.row_ends,
+            [c.completes for c in chunks],
+            [c.seq.block_table for c in chunks],
+            [c.seq for c in chunks],
+            self.decode,
+            self.verify,
+            self.sampled,
+            self.verify_tokens,
+            self.num_accepted,
+            self.features,
+        )
+
 
 def start_readback(
     values: torch.Tensor,  # [n] int64 on the device
@@ -75,26 +88,6 @@ def start_readback(
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
-
-
-def allocate_kv_cache(
-    layers: list[PagedAttention],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    for attn in layers:
-        # One extra block at the end takes the writes of padded rows (see store_kv).
-        shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
-        attn.key_cache = torch.zeros(shape, dtype=dtype, device=device)
-        attn.value_cache = torch.zeros(shape, dtype=dtype, device=device)
-        attn.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-
-
-def kv_bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
 
 
 def run_forward(
@@ -136,108 +129,6 @@ def run_forward(
         return module(ids, pos)
 
 
-def sampling_tensors(
-    seqs: list[Sequence], positions: list[int], device: torch.device
-) -> SamplingTensors:
-    return SamplingTensors.from_lists(
-        temperature=[s.params.temperature for s in seqs],
-        top_k=[s.params.top_k for s in seqs],
-        top_p=[s.params.top_p for s in seqs],
-        min_p=[s.params.min_p for s in seqs],
-        seed=[s.seed for s in seqs],
-        position=positions,
-        device=device,
-    )
-
-
-@dataclass
-class VerifyInputs:
-    """A verify batch's device inputs, prepared before the forward: its drafts are input ids
-    that only the device holds."""
-
-    logit_rows: torch.Tensor  # [R * (N+1)] int64: flat rows of each anchor and its drafts
-    draft_rows: torch.Tensor  # [R * N] int64: flat rows whose input id is a draft
-    drafts: torch.Tensor  # [R, N] int64
-    draft_probs: torch.Tensor | None  # [R, N, V] float32; None => drafts are one-hot
-    st: SamplingTensors  # one row per request; position = first draft position
-
-
-def shared_draft_batch(seqs: list[Sequence]) -> tuple[DraftBatch | None, list[int]]:
-    """The one DraftBatch holding every request's drafts (None when they span several), and
-    the rows to take from it ([] when it is taken whole, in order: the usual step, where the
-    requests proposed last step are verified now)."""
-    batch = seqs[0].drafts.batch
-    if any(s.drafts.batch is not batch for s in seqs):
-        return None, []
-    rows = [s.drafts.row for s in seqs]
-    return batch, [] if rows == list(range(batch.tokens.shape[0])) else rows
-
-
-def gather_drafts(
-    seqs: list[Sequence],
-    batch: DraftBatch | None,  # shared by every request, from shared_draft_batch
-    rows: torch.Tensor | None,  # [R] int64 on the device: rows of `batch`; None => all, in order
-    num_drafts: int,  # N verified this step: each request's first N (it may hold more)
-    need_probs: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
-    """Each request's drafts to verify, gathered on the device (no sync)."""
-    if batch is None:
-        return stack_drafts(seqs, num_drafts, need_probs)
-    tokens = batch.tokens[:, :num_drafts]
-    probs = batch.probs[:, :num_drafts] if need_probs and batch.probs is not None else None
-    if rows is None:
-        return tokens, probs
-    return tokens.index_select(0, rows), None if probs is None else probs.index_select(0, rows)
-
-
-def stack_drafts(
-    seqs: list[Sequence], num_drafts: int, need_probs: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # drafts [R, N] int64, probs [R, N, V] f32
-    """Drafts from several propose steps: a request whose verify did not fit the token budget
-    kept the drafts of an earlier step (possibly more than N, when the batch was smaller)."""
-    pending = [s.drafts for s in seqs]
-    tokens = torch.stack([d.batch.tokens[d.row, :num_drafts] for d in pending])
-    if not need_probs or all(d.batch.probs is None for d in pending):
-        return tokens, None
-    vocab = next(d.batch.probs.shape[-1] for d in pending if d.batch.probs is not None)
-    # A request proposed in an all-greedy batch has no probabilities: its drafts are one-hot.
-    probs = [
-        d.batch.probs[d.row, :num_drafts] if d.batch.probs is not None else one_hot_f32(t, vocab)
-        for d, t in zip(pending, tokens, strict=True)
-    ]
-    return tokens, torch.stack(probs)
-
-
-def one_hot_f32(tokens: torch.Tensor, vocab: int) -> torch.Tensor:  # tokens [N] -> [N, V] f32
-    # By scatter: F.one_hot checks its values on the host (a sync) on some devices.
-    out = torch.zeros(len(tokens), vocab, dtype=torch.float32, device=tokens.device)
-    return out.scatter_(1, tokens[:, None], 1.0)
-
-
-class SamplingTensorCache:
-    """Sampling parameters of a batch of requests on the device, built once per batch
-    composition: they are constant per request, and consecutive steps mostly run the same
-    requests in the same order. Only the positions are new each step."""
-
-    def __init__(self, device: torch.device, max_entries: int = 4) -> None:
-        self.device, self.max_entries = device, max_entries
-        self._entries: dict[tuple[Sequence, ...], SamplingTensors] = {}
-
-    def get(
-        self,
-        seqs: list[Sequence],
-        position: torch.Tensor,  # [len(seqs)] int64 on the device
-    ) -> SamplingTensors:
-        key = tuple(seqs)  # Sequence compares by identity
-        st = self._entries.get(key)
-        if st is None:
-            st = sampling_tensors(seqs, [0] * len(seqs), self.device)
-            if len(self._entries) >= self.max_entries:
-                del self._entries[next(iter(self._entries))]  # the oldest
-            self._entries[key] = st
-        return dataclasses.replace(st, position=position)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -247,10 +138,10 @@ class ModelRunner:
         synthetic_acceptance_rate: float | None = None,
     ) -> None:
         self.model = model
-        self.synthetic_acceptance_rate = synthetic_acceptance_rate
         self.graphs: dict[int, CUDAGraphRunner] = {}  # query length -> captured forwards
         self.block_size, self.device = block_size, device
         self.sampling = SamplingTensorCache(device)
+        self.verifier = Verifier(self.sampling, device, synthetic_acceptance_rate)
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
@@ -262,7 +153,14 @@ class ModelRunner:
         verify = [i for i, c in enumerate(chunks) if c.num_drafts]
         prepared = None
         if verify:
-            prepared = self._prepare_verify([chunks[i] for i in verify], [ends[i] for i in verify])
+            v_chunks = [chunks[i] for i in verify]
+            prepared = self.verifier.prepare(
+                [c.seq.drafts for c in v_chunks],
+                [c.seq for c in v_chunks],
+                [c.start for c in v_chunks],
+                [ends[i] for i in verify],
+                v_chunks[0].num_drafts,
+            )
         hidden, features = self._forward(
             chunks, None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten())
         )
@@ -352,44 +250,9 @@ class ModelRunner:
         st = self.sampling.get(seqs, positions)
         return sample(self.model.compute_logits(hidden[rows]), st)
 
-    def _prepare_verify(self, chunks: list[ScheduledChunk], ends: list[int]) -> VerifyInputs:
-        n = chunks[0].num_drafts
-        seqs = [c.seq for c in chunks]
-        batch, batch_rows = shared_draft_batch(seqs)
-        # One transfer for the host-built indices. The first draft sits one past the anchor,
-        # the last committed token.
-        logit_rows, draft_rows, positions, rows = int64_tensors(
-            self.device,
-            [e - n - 1 + j for e in ends for j in range(n + 1)],
-            [e - n + j for e in ends for j in range(n)],
-            [c.start + 1 for c in chunks],
-            batch_rows,
-        )
-        st = self.sampling.get(seqs, positions)
-        # Greedy verification and the synthetic benchmark mode never read draft probabilities.
-        need_probs = not st.all_greedy and self.synthetic_acceptance_rate is None
-        drafts, probs = gather_drafts(seqs, batch, rows if batch_rows else None, n, need_probs)
-        return VerifyInputs(logit_rows, draft_rows, drafts.to(torch.int64), probs, st)
-
     def _verify(
         self, v: VerifyInputs, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, N+1], accepted [R], on the device
         num_rows, n = v.drafts.shape
         logits = self.model.compute_logits(hidden[v.logit_rows]).view(num_rows, n + 1, -1)
-        if self.synthetic_acceptance_rate is not None:
-            return self._synthetic_verify(logits, v.drafts)
-        return rejection_sample(logits, v.drafts, v.draft_probs, v.st)
-
-    def _synthetic_verify(
-        self,
-        logits: torch.Tensor,  # [R, N+1, V]
-        drafts: torch.Tensor,  # [R, N] int64
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Benchmark mode: each draft is accepted with a fixed probability (the cost of real
-        verification is still paid, by computing the target's argmax)."""
-        num_rows, n = drafts.shape
-        coin = torch.rand(num_rows, n, device=drafts.device) < self.synthetic_acceptance_rate
-        accepted = coin.long().cumprod(dim=1).sum(dim=1)
-        out = torch.cat([drafts, logits[:, -1:].argmax(-1)], dim=1)
-        out.scatter_(1, accepted[:, None], logits.argmax(-1).gather(1, accepted[:, None]))
-        return out, accepted
+        return self.verifier.verify(v, logits)

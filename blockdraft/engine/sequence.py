@@ -3,30 +3,14 @@ blocks, and the drafts waiting to be verified."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum, auto
 
-import torch
-
 from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec_decode.drafts import PendingDrafts
 
 # The input id of a verify row whose draft lives on the device: the model runner overwrites it
 # with the draft there, so the host never reads the drafts back.
 DRAFT_PLACEHOLDER = 0
-
-
-@dataclass(frozen=True)
-class DraftBatch:
-    """One propose step's drafts, left on the device; each proposed request holds its row."""
-
-    tokens: torch.Tensor  # [R, N] int64
-    probs: torch.Tensor | None  # [R, N, V] float32; None when every request was greedy
-
-
-@dataclass(frozen=True)
-class PendingDrafts:
-    batch: DraftBatch
-    row: int
 
 
 class SequenceStatus(Enum):

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.engine.draft_launcher import DraftLauncher
-from blockdraft.engine.model_runner import ModelRunner, sampling_tensors
+from blockdraft.engine.model_runner import ModelRunner
 from blockdraft.engine.scheduler import ScheduledChunk
 from blockdraft.engine.sequence import Sequence
+from blockdraft.runtime.sampling_cache import sampling_tensors
 from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec_decode.draft_launch import DraftLauncher
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 # Query lengths of the warm-up requests: each row count the skinny GEMMs' M buckets and
@@ -77,7 +78,7 @@ def warm_up_eager_steps(
             chunks.append(ScheduledChunk(seq, ctx, [0] * q, 0))
         step = runner.launch(chunks)
         if draft_launcher is not None:
-            draft_launcher.launch(step, num_drafts)
+            draft_launcher.launch(step.target_step(), num_drafts)
         runner.finish(step)
     if draft_launcher is not None and num_drafts:
         probe = Sequence("warmup", None, [0], sampled, seed=0, max_tokens=1)

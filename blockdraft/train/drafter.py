@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from blockdraft.kernels import select
 from blockdraft.kernels.cross_entropy import chunked_cross_entropy
-from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.kernels.forward_context import forward_context
 from blockdraft.kernels.triton_env import triton_interpreting
 from blockdraft.models.dflash_drafter import (
     DFlashConfig,
@@ -34,6 +34,7 @@ from blockdraft.models.loader import (
     read_checkpoint,
 )
 from blockdraft.models.registry import resolve_architecture
+from blockdraft.runtime.host_batch import build_attention_metadata
 from blockdraft.tokenizer import Tokenizer
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")  # the target's, frozen, never saved
@@ -98,7 +99,7 @@ class TargetFeatures:
         input_ids: torch.Tensor,  # [C] int64, sequences back to back
         seq_lens: list[int],
     ) -> torch.Tensor:  # [C, K * hidden]
-        from blockdraft.engine.model_runner import allocate_kv_cache
+        from blockdraft.engine.kv_cache import allocate_kv_cache
 
         bs = self.block_size
         per_seq = [-(-n // bs) for n in seq_lens]

@@ -12,13 +12,8 @@ import torch
 from blockdraft import SamplingParams
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
-from blockdraft.engine.sequence import (
-    DRAFT_PLACEHOLDER,
-    DraftBatch,
-    PendingDrafts,
-    Sequence,
-    SequenceStatus,
-)
+from blockdraft.engine.sequence import DRAFT_PLACEHOLDER, Sequence, SequenceStatus
+from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 
 
 @pytest.fixture

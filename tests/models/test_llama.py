@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 
 from blockdraft import LLM
 from blockdraft.engine.sequence import Sequence
-from blockdraft.kernels.forward_context import build_attention_metadata, forward_context
+from blockdraft.kernels.forward_context import forward_context
+from blockdraft.runtime.host_batch import build_attention_metadata
 from blockdraft.sampling_params import SamplingParams
 
 from checkpoints import make_llama_checkpoint, make_qwen3_checkpoint

@@ -16,11 +16,12 @@ the step's tokens are read back to the host), all from device tensors:
 
 The drafter cache shares the target's block tables: a position's drafter K/V sits in the same
 slot as its target K/V, so prefix caching, preemption and freeing need no extra bookkeeping.
+
+The proposer owns the drafter's CUDA graphs (one per block length 1+N, as the model runner owns
+the target's): a block run replays one when it was captured for the batch, else runs eagerly.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -29,24 +30,19 @@ from blockdraft.kernels.forward_context import AttentionMetadata, forward_contex
 from blockdraft.kernels.select import PerDevice, get_dflash_inputs_backend
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash_drafter import DFlashDrafter
+from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.spec_decode.graphed_context import GraphedContext
 from blockdraft.spec_decode.rejection_sampler import sample_drafts
-
-# run_block(inputs, num_reqs, block_tables [R, W] int64, max_seq_len, context features
-# [R * Q, K * H] to write first or None) -> hidden [>= R * Q, H]
-RunBlockFn = Callable[[DFlashInputs, int, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
 
 
 class DFlashProposer:
-    def __init__(
-        self, drafter: DFlashDrafter, block_size: int, run_block: RunBlockFn | None = None
-    ) -> None:
+    def __init__(self, drafter: DFlashDrafter, block_size: int) -> None:
         self.drafter = drafter
         self.block_size = block_size
         self.device = next(drafter.parameters()).device
-        # The engine hands in its block runner (eager, or a CUDA-graph replay) so that this
-        # module stays below the engine in the import graph.
-        self.run_block = run_block or self.eager_block
         self._prepare = PerDevice(get_dflash_inputs_backend)  # Triton on CUDA, else the twin
+        self.graphs: dict[int, CUDAGraphRunner] = {}  # block length 1+N -> captured forwards
+        self.graphed_contexts: dict[int, GraphedContext] = {}  # their context K/V inputs
 
     def prepare_inputs(
         self,
@@ -103,6 +99,35 @@ class DFlashProposer:
         with forward_context(meta):
             return self.drafter(inputs.input_ids, inputs.positions)
 
+    def run_block(
+        self,
+        inputs: DFlashInputs,
+        num_reqs: int,  # R
+        block_tables: torch.Tensor,  # [R, W] int64, on the device
+        max_seq_len: int,
+        context: torch.Tensor | None = None,  # [R * Q, K * hidden]: features to write first
+    ) -> torch.Tensor:  # [R * Q, hidden]
+        """Replays a CUDA graph of the drafter when one was captured for this block length and
+        batch, copying the device-built inputs into its buffers on the device; else runs
+        eagerly. `context` (a uniform step's features, one row per block row) is written inside
+        the graph when it has context inputs, else eagerly before it."""
+        rows = inputs.input_ids.shape[0]
+        q = rows // num_reqs
+        graph, graphed = self.graphs.get(q), self.graphed_contexts.get(q)
+        if graph is None or not graph.fits(num_reqs, block_tables.shape[1]):
+            return self.eager_block(inputs, num_reqs, block_tables, max_seq_len, context)
+        if graphed is not None and context is not None and context.shape[0] == rows:
+            graphed.load(context, inputs.context_positions, inputs.context_slot_mapping)
+        else:
+            if context is not None:
+                self.write_context(context, inputs)
+            if graphed is not None:
+                graphed.clear()
+        out = graph.run(
+            inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, block_tables
+        )
+        return out[:rows]
+
     def propose(
         self,
         inputs: DFlashInputs,  # from prepare_inputs, R drafting requests
@@ -122,3 +147,30 @@ class DFlashProposer:
         draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)
         return sample_drafts(logits, st)
+
+    def capture_graphs(
+        self,
+        num_drafts: int,  # N: the graphs run blocks of 1+N rows
+        batch_sizes: list[int],
+        max_blocks_per_seq: int,
+        pool: object | None,  # the memory pool to share with the other graphs
+    ) -> object:  # the pool
+        """Captures the block forward (its context K/V write inside) at each batch size, and
+        compiles the drafter-input kernel for N."""
+        q = num_drafts + 1
+        graphed = GraphedContext(self.drafter, batch_sizes[-1] * q, self.device)
+        runner = CUDAGraphRunner(
+            graphed.forward, q, batch_sizes, max_blocks_per_seq, self.block_size, self.device, pool
+        )
+        runner.capture()
+        self.graphed_contexts[q], self.graphs[q] = graphed, runner
+        self._compile_prepare_inputs(num_drafts)
+        return runner.pool
+
+    def _compile_prepare_inputs(self, num_drafts: int) -> None:
+        """Runs the drafter-input kernel once for N = num_drafts on a dummy request, so that
+        its Triton compile happens here and not in the first step that drafts N tokens.
+        Writes only fresh output buffers."""
+        zero, one = (torch.full((1,), v, dtype=torch.int64, device=self.device) for v in (0, 1))
+        tables = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        self.prepare_inputs(zero, one, zero, one, zero, tables, num_drafts, 1)

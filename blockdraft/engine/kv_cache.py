@@ -1,0 +1,73 @@
+"""The paged KV pool: how many blocks it gets, and its allocation in every attention layer
+(the target's and the drafter's, which share the block tables)."""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.config import EngineConfig
+from blockdraft.layers.attention import PagedAttention
+
+# Split-K counters per attention layer (PagedAttention.split_counters): split-K only runs where
+# num_seqs * num_kv_heads programs leave SMs idle, so this covers any GPU's SM count.
+SPLIT_COUNTERS = 1024
+
+
+def allocate_kv_cache(
+    layers: list[PagedAttention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    for attn in layers:
+        # One extra block at the end takes the writes of padded rows (see store_kv).
+        shape = (num_blocks + 1, block_size, attn.num_kv_heads, attn.head_dim)
+        attn.key_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.value_cache = torch.zeros(shape, dtype=dtype, device=device)
+        attn.split_counters = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
+
+
+def kv_bytes_per_block(layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(2 * block_size * a.num_kv_heads * a.head_dim * elem for a in layers)
+
+
+def max_blocks_per_seq(max_model_len: int, lookahead: int, block_size: int) -> int:
+    # A verify at the length limit holds N draft rows past the last token, and the drafter
+    # writes its block (lookahead rows) past the new anchor: 2 * lookahead covers both.
+    return -(-(max_model_len + 2 * lookahead) // block_size)
+
+
+def num_kv_blocks(
+    config: EngineConfig,
+    layers: list[PagedAttention],
+    device: torch.device,
+    max_model_len: int,
+    lookahead: int,
+) -> int:
+    """The pool's blocks: config.num_kv_blocks, else what the memory budget holds, at most what
+    max_num_seqs requests of max_model_len need; at least one such request's worth."""
+    cfg = config
+    per_seq = max_blocks_per_seq(max_model_len, lookahead, cfg.block_size)
+    if cfg.num_kv_blocks is not None:
+        num_blocks = cfg.num_kv_blocks
+    else:
+        per_block = kv_bytes_per_block(layers, cfg.block_size, cfg.torch_dtype)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = (
+                free
+                - (1 - cfg.gpu_memory_utilization)
+                * torch.cuda.get_device_properties(device).total_memory
+            )
+        else:
+            budget = cfg.kv_cache_memory_gib * 2**30
+        num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
+    if num_blocks < per_seq:
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
+            f"one request of max_model_len {max_model_len} needs ({per_seq}); "
+            "lower max_model_len or give the cache more memory"
+        )
+    return num_blocks

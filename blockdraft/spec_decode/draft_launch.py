@@ -1,0 +1,127 @@
+"""Queues a speculative step's drafter work right behind the target's, before the step's one
+readback: context K/V of the committed rows, the drafter's forward over the proposing requests'
+blocks, and draft sampling. Everything data-dependent (how many drafts each verify accepted,
+the new anchor tokens) is taken from the device results of the target step, so the GPU runs
+the drafter while the host waits for the readback and does the step's bookkeeping.
+
+Every request whose chunk completes (a decode, a last prefill chunk, a verify) proposes, even
+if the tokens it is about to read back finish it: the host only learns that after the readback,
+and such a request simply drops its drafts. Its drafter block p .. p+N lies in blocks the
+scheduler reserved for a caught-up request (`Scheduler._capacity_needed`), so it writes only
+the request's own slots. A chunk that does not complete (mid-prefill) writes its context and
+drafts nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.runtime.host_batch import int64_tensors, padded_block_tables
+from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
+from blockdraft.spec_decode.drafts import DraftBatch
+from blockdraft.spec_decode.proposer import DFlashProposer
+
+
+@dataclass
+class TargetStep:
+    """A target step launched and not read back, as the drafter sees it: the chunks' layout on
+    the host, the step's results on the device."""
+
+    starts: list[int]  # [C] first position each chunk computes
+    query_lens: list[int]  # [C] its rows
+    row_ends: list[int]  # [C] flat row after its last row
+    completes: list[bool]  # [C] whether it leaves its request with logits for a next token
+    block_tables: list[list[int]]  # [C] its request's blocks
+    requests: list[SamplingRequest]  # [C] its request, for the drafts' sampling parameters
+    decode: list[int]  # chunks that sampled a next token (decode, last prefill chunk)
+    verify: list[int]  # chunks that verified drafts
+    sampled: torch.Tensor | None  # [len(decode)] int64 next tokens
+    verify_tokens: torch.Tensor | None  # [len(verify), N+1] int64, -1 past the bonus token
+    num_accepted: torch.Tensor | None  # [len(verify)] int64 accepted drafts
+    features: torch.Tensor  # [num_tokens, K * hidden] target features
+
+
+@dataclass
+class LaunchedDrafts:
+    batch: DraftBatch  # on the device, one row per proposer
+    proposers: list[int]  # the chunk of each row
+
+
+class DraftLauncher:
+    def __init__(
+        self,
+        proposer: DFlashProposer,
+        sampling: SamplingTensorCache,
+        device: torch.device,
+    ) -> None:
+        self.proposer, self.sampling, self.device = proposer, sampling, device
+
+    def launch(self, step: TargetStep, num_drafts: int) -> LaunchedDrafts | None:
+        """Queues context K/V for every committed row of `step`, then N drafts for each request
+        whose chunk completes; None when none does (or N = 0: the context only). Reads nothing
+        back."""
+        verify = set(step.verify)
+        num_chunks = len(step.starts)
+        proposers = [i for i, done in enumerate(step.completes) if done] if num_drafts else []
+        tables = padded_block_tables(step.block_tables)
+        # Committed rows known on the host: a prefill chunk's all, a verify's anchor (its
+        # accepted drafts are added on the device).
+        host_num_ctx = [1 if i in verify else n for i, n in enumerate(step.query_lens)]
+        row_start, num_ctx, starts, decode_idx, verify_idx, proposers_gpu, flat_tables = (
+            int64_tensors(
+                self.device,
+                [end - n for end, n in zip(step.row_ends, step.query_lens, strict=True)],
+                host_num_ctx,
+                step.starts,
+                step.decode,
+                step.verify,
+                proposers,
+                [b for t in tables for b in t],
+            )
+        )
+        block_tables = flat_tables.view(num_chunks, -1)  # [C, W]
+        anchor_tokens = torch.zeros(num_chunks, dtype=torch.int64, device=self.device)
+        if step.decode:
+            anchor_tokens.index_copy_(0, decode_idx, step.sampled)
+        if step.verify:
+            accepted = step.num_accepted  # [V]
+            num_ctx = num_ctx.index_add(0, verify_idx, accepted)
+            # The bonus / corrected token sits right after the accepted drafts.
+            bonus = step.verify_tokens.gather(1, accepted[:, None]).squeeze(1)
+            anchor_tokens.index_copy_(0, verify_idx, bonus)
+        anchor_positions = starts + num_ctx  # [C]: right after the committed rows
+
+        inputs = self.proposer.prepare_inputs(
+            anchor_tokens,
+            anchor_positions,
+            row_start,
+            num_ctx,
+            proposers_gpu,
+            block_tables,
+            max(num_drafts, 1),  # N = 0 has no proposers: no block rows to lay out
+            step.row_ends[-1],
+        )
+        num_props, q = len(proposers), num_drafts + 1
+        # A uniform step (every request verified N and proposes N): its context rows are the
+        # block rows, and the block run writes them (inside the drafter graph when captured).
+        uniform = num_props == len(step.verify) == num_chunks and all(
+            n == q for n in step.query_lens
+        )
+        if not uniform:
+            self.proposer.write_context(step.features, inputs)
+        if not proposers:
+            return None
+        if num_props < num_chunks:
+            block_tables = block_tables.index_select(0, proposers_gpu)
+        # A drafting chunk's anchor is at most one past its last row (a decode's exactly), so
+        # its block's keys end by start + len + Q, which its block table covers (the scheduler
+        # reserves the lookahead of a chunk that completes).
+        max_seq_len = max(step.starts[i] + step.query_lens[i] for i in proposers) + q
+        positions = inputs.positions.view(num_props, q)[:, 0] + 1  # first draft positions
+        st = self.sampling.get([step.requests[i] for i in proposers], positions)
+        tokens, probs = self.proposer.propose(
+            inputs, block_tables, max_seq_len, st, num_drafts, step.features if uniform else None
+        )
+        return LaunchedDrafts(DraftBatch(tokens, probs), proposers)

@@ -1,0 +1,64 @@
+"""KV pool sizing and allocation (blockdraft/engine/kv_cache.py), on stand-in layers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blockdraft.config import EngineConfig
+from blockdraft.engine.kv_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    max_blocks_per_seq,
+    num_kv_blocks,
+)
+
+CPU = torch.device("cpu")
+
+
+def layers(rng: torch.Generator, count: int) -> list[SimpleNamespace]:
+    shapes = torch.randint(1, 5, (count, 2), generator=rng).tolist()
+    return [SimpleNamespace(num_kv_heads=h, head_dim=8 * d) for h, d in shapes]
+
+
+def config(**kwargs) -> EngineConfig:
+    return EngineConfig(device="cpu", speculative_config=None, **kwargs)
+
+
+def test_a_request_holds_its_tokens_and_two_lookaheads() -> None:
+    """A verify at max_model_len holds N rows past the last token and the drafter's block
+    lookahead rows past that: max_model_len + 2 * lookahead rows, rounded up to blocks."""
+    assert max_blocks_per_seq(64, 0, 16) == 4
+    assert max_blocks_per_seq(64, 8, 16) == 5
+    assert max_blocks_per_seq(65, 8, 16) == 6
+    assert max_blocks_per_seq(48, 8, 16) == 4
+
+
+def test_the_budget_sets_the_blocks_up_to_what_max_num_seqs_requests_use(rng) -> None:
+    attn = layers(rng, 3)
+    per_block = kv_bytes_per_block(attn, 16, torch.float32)
+    assert per_block == sum(2 * 16 * a.num_kv_heads * a.head_dim * 4 for a in attn)
+    gib = 200 * per_block / 2**30  # room for 200 blocks
+    small = config(block_size=16, max_num_seqs=2, kv_cache_memory_gib=gib)
+    assert num_kv_blocks(small, attn, CPU, 64, 8) == 2 * max_blocks_per_seq(64, 8, 16)
+    many = config(block_size=16, max_num_seqs=512, kv_cache_memory_gib=gib)
+    assert num_kv_blocks(many, attn, CPU, 64, 8) == 200
+    fixed = config(block_size=16, num_kv_blocks=7)
+    assert num_kv_blocks(fixed, attn, CPU, 64, 8) == 7
+
+
+def test_a_pool_smaller_than_one_request_is_refused(rng) -> None:
+    with pytest.raises(ValueError, match="fewer than one request"):
+        num_kv_blocks(config(block_size=16, num_kv_blocks=4), layers(rng, 2), CPU, 64, 8)
+
+
+def test_every_layer_gets_the_pool_and_a_pad_block(rng) -> None:
+    attn = layers(rng, 2)
+    allocate_kv_cache(attn, 5, 4, torch.float32, CPU)
+    for a in attn:
+        shape = (6, 4, a.num_kv_heads, a.head_dim)
+        assert a.key_cache.shape == a.value_cache.shape == shape
+        assert a.key_cache.eq(0).all() and a.value_cache.eq(0).all()
+        assert a.split_counters.dtype == torch.int32 and a.split_counters.eq(0).all()
