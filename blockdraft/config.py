@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,18 +86,20 @@ class EngineConfig:
     # None: on for CUDA (measured on an H200: 4.78 -> 4.43 ms a Qwen3-8B decode step at batch
     # 1), off on the CPU, where the host does the forward itself and nothing overlaps.
     async_decode: bool | None = None
+    # torch intra-op threads for this process (torch.set_num_threads is process-wide). None:
+    # chosen at start from the cores free at that moment (blockdraft/threads.py says why).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.async_decode is not None and not isinstance(self.async_decode, bool):
             raise ValueError(
                 f"async_decode must be True, False or None (auto), got {self.async_decode!r}"
             )
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {self.device!r}") from None
+        if self.num_threads is not None and not is_positive_int(self.num_threads):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        self.device = resolve_device(self.device)
+        if self.model is not None:
+            check_model_path(self.model)
         if self.async_decode is None:
             self.async_decode = torch.device(self.device).type == "cuda"
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -128,6 +131,8 @@ class EngineConfig:
             self.speculative_config = {"method": "dflash", "model": DEFAULT_DRAFTER} if on else None
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         spec = self.speculative_config
+        if spec is not None and spec.model != DEFAULT_DRAFTER:
+            check_drafter_path(spec.model)
         if spec is not None and spec.model == DEFAULT_DRAFTER:
             if self.model is not None:
                 raise ValueError(
@@ -135,3 +140,56 @@ class EngineConfig:
                     f"default SmolLM2 target; for {self.model} give a drafter directory"
                 )
             self.speculative_config = dataclasses.replace(spec, model=default_drafter_path())
+
+
+def resolve_device(device: str) -> str:
+    """The device to run on: `auto` is cuda when torch sees a GPU, else cpu; any other name is
+    checked against this torch build and machine, so a wrong one fails here in one line."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if kind.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if kind.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"device {device!r} needs a CUDA build of torch, but torch {torch.__version__} "
+                "is CPU-only: use device cpu (or auto), or install torch from a CUDA wheel index"
+            )
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise ValueError(
+                f"device {device!r}: torch sees no CUDA GPU on this machine (driver missing, "
+                "or CUDA_VISIBLE_DEVICES empty): use device cpu (or auto)"
+            )
+        if kind.index is not None and kind.index >= count:
+            raise ValueError(
+                f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to "
+                f"cuda:{count - 1}"
+            )
+    return device
+
+
+def check_model_path(model: str) -> None:
+    """A target must be a .gguf file or a Hugging Face directory with config.json."""
+    path = Path(model).expanduser()
+    fix = "give a Hugging Face checkpoint directory or a .gguf file (unset: SmolLM2-135M)"
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist: {fix}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model path {model!r} is a file but not a .gguf: {fix}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json: {fix}")
+
+
+def check_drafter_path(model: str) -> None:
+    """A drafter is a directory in z-lab's format: config.json and model.safetensors."""
+    path = Path(model).expanduser()
+    fix = "give a DFlash drafter directory (config.json, model.safetensors), or 'default'"
+    if not path.is_dir():
+        raise ValueError(f"drafter directory {model!r} does not exist: {fix}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"drafter directory {model!r} has no config.json: {fix}")

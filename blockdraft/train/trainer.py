@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockdraft.config import resolve_device
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -135,8 +136,7 @@ class TrainConfig:
     use_tqdm: bool = True
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if self.attention == "auto":
             self.attention = "flex" if self.device.startswith("cuda") else "dense"
         if self.load_format not in ("auto", "dummy"):
