@@ -258,7 +258,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     from blockdraft.bench import PROMPT_SETS
 
     parser = argparse.ArgumentParser(prog="blockdraft")
@@ -334,7 +334,11 @@ def main(argv: list[str] | None = None) -> None:
     from blockdraft.train.cli import add_train_draft_parser
 
     add_train_draft_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except (ValueError, OSError) as e:  # bad input or a file the user named

@@ -168,7 +168,7 @@ def describe_engine(engine: LLMEngine, threads: ThreadChoice) -> str:
     else:
         shipped = spec.model == default_drafter_path()
         drafter = "the shipped SmolLM2 drafter" if shipped else f"drafter {spec.model}"
-        drafter += f" (up to {engine.num_spec} drafts a step)"
+        drafter += f" (up to {engine.num_spec} draft{'s' if engine.num_spec > 1 else ''} a step)"
     return (
         f"{model}, {drafter}, device {cfg.device}, {cfg.dtype}, "
         f"{threads.num_threads} CPU thread{'s' if threads.num_threads > 1 else ''} "

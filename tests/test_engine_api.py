@@ -88,7 +88,7 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm: LLM, rng) -> Non
 
 
 def test_bad_checkpoints(tmp_path: Path, target: Path) -> None:
-    with pytest.raises(ValueError, match="neither a directory nor a .gguf"):
+    with pytest.raises(ValueError, match="does not exist: give a Hugging Face checkpoint dir"):
         LLM(str(tmp_path / "nope"))
     broken = tmp_path / "broken"
     shutil.copytree(target, broken)
