@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
+from pathlib import Path
 
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # every --help shows the defaults
 
@@ -19,6 +21,13 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
     return value
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port number."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0-65535, got {text!r}")
+    return int(text)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -164,9 +173,24 @@ def _start_llm(args: argparse.Namespace):
     return llm
 
 
+def _check_text_io(llm, chat: bool) -> None:
+    """The CLI speaks text: the model needs a tokenizer, and a chat template for chat."""
+    if llm.tokenizer is None:
+        raise ValueError(
+            "this model has no tokenizer (no tokenizer.json beside config.json), so the CLI "
+            "cannot encode text: add the tokenizer files, or use the Python API with token ids"
+        )
+    if chat and not llm.tokenizer.chat_template:
+        raise ValueError(
+            "this model's tokenizer has no chat template: use `blockdraft generate --raw` to "
+            "send the prompt as plain text"
+        )
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     params = _sampling(args)  # bad sampling values fail before the model loads
     llm = _start_llm(args)
+    _check_text_io(llm, chat=not args.raw)
     start = time.perf_counter()
     if args.raw:
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
@@ -190,6 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_chat(args: argparse.Namespace) -> None:
     params = _sampling(args)
     llm = _start_llm(args)
+    _check_text_io(llm, chat=True)
     history: list[dict] = []
     print("blockdraft chat: an empty line or Ctrl-D quits.")
     while True:
@@ -213,6 +238,17 @@ def cmd_chat(args: argparse.Namespace) -> None:
         print(stats + "]")
 
 
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({e.strerror}): choose another --port or --host"
+            ) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
         from blockdraft.server import run_server
@@ -220,6 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise ValueError(
             f"serve needs the server extra (pip install 'blockdraft[server]'): {e}"
         ) from None
+    _check_port_free(args.host, args.port)  # before the model loads, not after
     run_server(
         _engine_kwargs(args),
         host=args.host,
@@ -231,16 +268,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from blockdraft import LLM
+    from blockdraft import LLM, SamplingParams
     from blockdraft.bench import format_table, load_prompt_set, results_json, run_bench, save_plot
     from blockdraft.llm import describe_engine
 
     kwargs = _engine_kwargs(args)
     if kwargs["speculative_config"] in (None, "auto"):
         raise ValueError(
-            "bench compares DFlash with autoregressive decoding: give --draft or "
-            "--speculative-config"
+            "bench compares DFlash with autoregressive decoding: give --draft DIR (or --draft "
+            "default for the default target) or --speculative-config"
         )
+    for temperature in args.temperatures:  # bad values fail before the models load
+        SamplingParams(temperature=temperature, max_tokens=args.max_tokens)
+    for out in (args.json, args.plot):  # and so does an unwritable output path
+        if not Path(out).resolve().parent.is_dir():
+            raise ValueError(f"cannot write {out}: its directory does not exist")
     sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
     dflash = LLM(**kwargs)
     print(f"blockdraft: {describe_engine(dflash.engine, dflash.threads)}", file=sys.stderr)
@@ -282,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--port", type=_port, default=8000, help="port to listen on")
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     serve.add_argument(
         "--max-waiting",

@@ -9,6 +9,8 @@ import argparse
 import gc
 import json
 import logging
+import shutil
+import socket
 import weakref
 from pathlib import Path
 
@@ -356,3 +358,53 @@ def test_deleting_an_llm_frees_it(pair) -> None:
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+# -- text in, text out; serve and bench before loading ------------------------------------------
+
+
+def test_model_without_tokenizer_or_chat_template(pair, tmp_path: Path, capsys) -> None:
+    target, _ = pair
+    no_template = tmp_path / "no_template"
+    shutil.copytree(target, no_template)
+    config = json.loads((no_template / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (no_template / "tokenizer_config.json").write_text(json.dumps(config))
+    line = cli_error(["generate", "w10", "--model", str(no_template), "--max-tokens", "2"], capsys)
+    assert "no chat template: use `blockdraft generate --raw`" in line
+    main(["generate", "w10", "--model", str(no_template), "--max-tokens", "2", "--raw"])
+    assert "tok/s" in capsys.readouterr().out
+    line = cli_error(["chat", "--model", str(no_template)], capsys)
+    assert "no chat template" in line
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(target, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    line = cli_error(["generate", "w10", "--model", str(no_tokenizer), "--raw"], capsys)
+    assert "this model has no tokenizer (no tokenizer.json beside config.json)" in line
+
+
+def test_serve_port_checked_before_the_model_loads(tmp_path: Path, capsys) -> None:
+    pytest.importorskip("fastapi")
+    line = cli_error(["serve", "--port", "70000"], capsys)
+    assert "argument --port: must be a port number 0-65535" in line
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The port is checked before the model loads (which would take seconds here).
+        line = cli_error(["serve", "--port", str(port), "--draft", "none"], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "choose another --port" in line
+
+
+def test_bench_arguments_checked_before_the_models_load(pair, tmp_path: Path, capsys) -> None:
+    target, drafter = pair
+    base = ["bench", "--model", str(target)]
+    line = cli_error(base, capsys)
+    assert "give --draft DIR" in line
+    line = cli_error([*base, "--draft", str(drafter), "--sets", "nope"], capsys)
+    assert "argument --sets: invalid choice: 'nope'" in line
+    line = cli_error([*base, "--draft", str(drafter), "--temperatures", "-1"], capsys)
+    assert "temperature" in line
+    missing = tmp_path / "missing" / "bench.json"
+    line = cli_error([*base, "--draft", str(drafter), "--json", str(missing)], capsys)
+    assert f"cannot write {missing}: its directory does not exist" in line
