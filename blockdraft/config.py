@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,14 +111,20 @@ class EngineConfig:
         self.torch_dtype = dtypes[self.dtype]
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        for name in ("max_model_len", "num_kv_blocks"):  # None: sized automatically
+            value = getattr(self, name)
+            if value is not None and not is_positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not _is_number(self.kv_cache_memory_gib) or self.kv_cache_memory_gib <= 0:
+            raise ValueError(
+                f"kv_cache_memory_gib must be a positive number, got {self.kv_cache_memory_gib!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if isinstance(self.speculative_config, str):
@@ -140,6 +147,10 @@ class EngineConfig:
                     f"default SmolLM2 target; for {self.model} give a drafter directory"
                 )
             self.speculative_config = dataclasses.replace(spec, model=default_drafter_path())
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def resolve_device(device: str) -> str:
@@ -175,6 +186,8 @@ def resolve_device(device: str) -> str:
 
 def check_model_path(model: str) -> None:
     """A target must be a .gguf file or a Hugging Face directory with config.json."""
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"model must be a path (str), got {model!r}")
     path = Path(model).expanduser()
     fix = "give a Hugging Face checkpoint directory or a .gguf file (unset: SmolLM2-135M)"
     if not path.exists():
@@ -187,6 +200,8 @@ def check_model_path(model: str) -> None:
 
 def check_drafter_path(model: str) -> None:
     """A drafter is a directory in z-lab's format: config.json and model.safetensors."""
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"the drafter's model must be a path (str), got {model!r}")
     path = Path(model).expanduser()
     fix = "give a DFlash drafter directory (config.json, model.safetensors), or 'default'"
     if not path.is_dir():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -42,6 +43,7 @@ class LLM:
         **engine_args: object,
     ) -> None:
         self.engine: LLMEngine | None = None
+        _check_engine_args(engine_args)
         self.config = EngineConfig(
             model=model, speculative_config=speculative_config, **engine_args
         )
@@ -156,6 +158,16 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _check_engine_args(engine_args: dict) -> None:
+    """An unknown keyword (a vLLM-only one, a typo) names the ones that exist."""
+    known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
+    unknown = sorted(set(engine_args) - set(known))
+    if unknown:
+        raise ValueError(
+            f"LLM got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(known)}"
+        )
 
 
 def describe_engine(engine: LLMEngine, threads: ThreadChoice) -> str:

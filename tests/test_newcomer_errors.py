@@ -408,3 +408,19 @@ def test_bench_arguments_checked_before_the_models_load(pair, tmp_path: Path, ca
     missing = tmp_path / "missing" / "bench.json"
     line = cli_error([*base, "--draft", str(drafter), "--json", str(missing)], capsys)
     assert f"cannot write {missing}: its directory does not exist" in line
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tensor_parallel_size=2), "unknown argument.*tensor_parallel_size; it takes model, "),
+        (dict(max_model_len="64"), "max_model_len must be a positive integer or None"),
+        (dict(num_kv_blocks=0), "num_kv_blocks must be a positive integer or None"),
+        (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization must be in \(0, 1\]"),
+        (dict(kv_cache_memory_gib=-1), "kv_cache_memory_gib must be a positive number"),
+        (dict(model=42), "model must be a path"),
+    ],
+)
+def test_bad_llm_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(**kwargs)
