@@ -4,12 +4,12 @@ torch's OpenMP threads meet at a barrier after every parallel op (hundreds per d
 a small model). With as many threads as cores and another process busy on one of them, every
 barrier waits for a thread the OS has descheduled: on 2 cores, 8 tokens of SmolLM2-135M took
 17 s instead of 0.97 s with one thread (issue 29). A passive OpenMP wait policy does not help:
-the team still waits for its descheduled member (measured on the same busy 2-core machine:
-5.8 tok/s with 2 passive threads against 16.5 with one), and it would have to be set before
+the team still waits for its descheduled member (on a 2-core machine busy with other
+processes: 5.8 tok/s with 2 passive threads, 16.5 with one), and it would have to be set before
 torch loads OpenMP, which the Python API cannot do. So the default counts the cores that are
 free when the engine starts and uses that many threads, at least one: too many threads
-costs 13-18x under contention, too few at most the parallel speed-up, so a fraction of a core
-rounds down.
+costs 13-18x under contention, too few at most the parallel speed-up, so a core counts as free
+only when at least 3/4 of it is idle. Contention that starts later is not seen: --threads 1.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-# The process's thread count when blockdraft is imported: torch's default (one per physical
-# core, or OMP_NUM_THREADS) or what the application chose before. The default never exceeds
-# it, and a later engine can go back up to it after an earlier one went lower.
-_CEILING = torch.get_num_threads()
+# The most threads the default uses: torch's count when blockdraft is imported (one per
+# physical core, or OMP_NUM_THREADS, or what the application chose before), or the count the
+# application set since with torch.set_num_threads. A count blockdraft set itself does not
+# lower it, so a later engine can go back up after an earlier one went down.
+_ceiling = torch.get_num_threads()
+_applied: int | None = None  # the count blockdraft set last
 
 _SAMPLES = 20  # reads of the run queue, _SAMPLE_GAP_S apart: 40 ms at engine start
 _SAMPLE_GAP_S = 0.002
@@ -33,15 +35,16 @@ _ROUND_UP_FROM = 0.75  # a core counts as free when at least this much of it is 
 @dataclass(frozen=True)
 class ThreadChoice:
     num_threads: int
-    reason: str  # for the start-up line, e.g. "auto: 1.0 of 2 cores busy"
+    reason: str  # for the start-up line, e.g. "auto: 2 cores, 1.0 busy with other processes"
 
 
 def choose_num_threads(requested: int | None) -> ThreadChoice:
-    """`requested`, or the cores free now (at least 1, at most the import-time count)."""
+    """`requested`, or the cores free now: at least 1, at most the process's count (torch's
+    default, or what the application set)."""
     if requested is not None:
         return ThreadChoice(requested, "as asked")
     usable = _usable_cpus()
-    cores = min(_CEILING, usable)
+    cores = min(_current_ceiling(), usable)
     # Other work spread evenly over the host's CPUs; the share that lands on ours.
     busy = _other_runnable() * usable / (os.cpu_count() or usable)
     free = int(cores - busy + (1 - _ROUND_UP_FROM))
@@ -51,9 +54,20 @@ def choose_num_threads(requested: int | None) -> ThreadChoice:
 
 def apply_num_threads(requested: int | None) -> ThreadChoice:
     """Chooses (see `choose_num_threads`) and sets the process's torch thread count."""
+    global _applied
+    _current_ceiling()  # notes a count the application set, before blockdraft changes it
     choice = choose_num_threads(requested)
     torch.set_num_threads(choice.num_threads)
+    _applied = choice.num_threads
     return choice
+
+
+def _current_ceiling() -> int:
+    global _ceiling
+    current = torch.get_num_threads()
+    if current != _applied:  # set by the application, not by blockdraft
+        _ceiling = current
+    return _ceiling
 
 
 def _usable_cpus() -> int:
