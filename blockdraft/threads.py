@@ -9,7 +9,8 @@ processes: 5.8 tok/s with 2 passive threads, 16.5 with one), and it would have t
 torch loads OpenMP, which the Python API cannot do. So the default counts the cores that are
 free when the engine starts and uses that many threads, at least one: too many threads
 costs 13-18x under contention, too few at most the parallel speed-up, so a core counts as free
-only when at least 3/4 of it is idle. Contention that starts later is not seen: --threads 1.
+only when at least 3/4 of it is idle. Contention that starts after the engine is not seen;
+there `--threads 1` (`num_threads=1`) is the safe choice.
 """
 
 from __future__ import annotations

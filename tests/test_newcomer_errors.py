@@ -439,3 +439,17 @@ def test_bench_arguments_checked_before_the_models_load(pair, tmp_path: Path, ca
 def test_bad_llm_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         LLM(**kwargs)
+
+
+def test_train_draft_paths_checked_before_any_work(tmp_path: Path, capsys) -> None:
+    data = tmp_path / "p.txt"
+    data.write_text("hello\n")
+    base = ["train-draft", "--data", str(data), "--out", str(tmp_path / "o")]
+    missing = str(tmp_path / "missing")
+    for extra, message in [
+        (["--model", missing], "model path"),
+        (["--init-drafter", missing], "drafter directory"),
+        (["--eval-prompts", missing], "eval prompt file"),
+    ]:
+        line = cli_error([*base, *extra], capsys)
+        assert message in line and "does not exist" in line, line

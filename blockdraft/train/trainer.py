@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.config import resolve_device
+from blockdraft.config import check_drafter_path, check_model_path, resolve_device
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -137,6 +137,13 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
+        # Paths fail now, not after regeneration or training.
+        if self.model is not None:
+            check_model_path(self.model)
+        if self.init_drafter is not None:
+            check_drafter_path(self.init_drafter)
+        if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
+            raise ValueError(f"eval prompt file {self.eval_prompts} does not exist")
         if self.attention == "auto":
             self.attention = "flex" if self.device.startswith("cuda") else "dense"
         if self.load_format not in ("auto", "dummy"):
