@@ -73,12 +73,11 @@ class LLM:
         # The engine's parts reference each other (the drafter's step callback holds the
         # engine), so dropping the engine alone frees nothing until the garbage collector runs,
         # and a new engine sized from free GPU memory would find the old one still there.
-        # Clearing its attributes frees the model, KV cache, graphs and drafter by refcount;
-        # gc.collect takes any cycle left among them.
+        # Clearing its attributes frees the model, KV cache, graphs and drafter by refcount.
         vars(engine).clear()
         del engine
-        gc.collect()
-        if on_cuda:
+        if on_cuda:  # any cycle left, then the allocator's cache back to the driver
+            gc.collect()
             torch.cuda.empty_cache()
 
     def _live_engine(self) -> LLMEngine:
