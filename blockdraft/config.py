@@ -99,8 +99,6 @@ class EngineConfig:
         if self.num_threads is not None and not is_positive_int(self.num_threads):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         self.device = resolve_device(self.device)
-        if self.model is not None:
-            check_model_path(self.model)
         if self.async_decode is None:
             self.async_decode = torch.device(self.device).type == "cuda"
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,8 +136,6 @@ class EngineConfig:
             self.speculative_config = {"method": "dflash", "model": DEFAULT_DRAFTER} if on else None
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         spec = self.speculative_config
-        if spec is not None and spec.model != DEFAULT_DRAFTER:
-            check_drafter_path(spec.model)
         if spec is not None and spec.model == DEFAULT_DRAFTER:
             if self.model is not None:
                 raise ValueError(
@@ -154,8 +150,8 @@ def _is_number(value: object) -> bool:
 
 
 def resolve_device(device: str) -> str:
-    """The device to run on: `auto` is cuda when torch sees a GPU, else cpu; any other name is
-    checked against this torch build and machine, so a wrong one fails here in one line."""
+    """The device to run on: `auto` is cuda when torch sees a GPU, else cpu; other names must
+    be cpu, cuda or cuda:N (whether this machine has them: `check_device_available`)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -164,24 +160,40 @@ def resolve_device(device: str) -> str:
         raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
     if kind.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
-    if kind.type == "cuda":
-        if torch.version.cuda is None:
-            raise ValueError(
-                f"device {device!r} needs a CUDA build of torch, but torch {torch.__version__} "
-                "is CPU-only: use device cpu (or auto), or install torch from a CUDA wheel index"
-            )
-        count = torch.cuda.device_count()
-        if count == 0:
-            raise ValueError(
-                f"device {device!r}: torch sees no CUDA GPU on this machine (driver missing, "
-                "or CUDA_VISIBLE_DEVICES empty): use device cpu (or auto)"
-            )
-        if kind.index is not None and kind.index >= count:
-            raise ValueError(
-                f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to "
-                f"cuda:{count - 1}"
-            )
     return device
+
+
+def check_can_run(config: EngineConfig) -> None:
+    """What a configuration alone does not tell: whether this machine has its device and its
+    model and drafter paths hold checkpoints. Checked before an engine starts (LLM, serve)."""
+    check_device_available(config.device)
+    if config.model is not None:
+        check_model_path(config.model)
+    if config.speculative_config is not None:
+        check_drafter_path(config.speculative_config.model)
+
+
+def check_device_available(device: str) -> None:
+    """Whether this torch build and machine can run on `device`, checked before an engine or
+    a trainer starts, so that a wrong one fails in one line instead of deep inside torch."""
+    kind = torch.device(device)
+    if kind.type != "cuda":
+        return
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device {device!r} needs a CUDA build of torch, but torch {torch.__version__} "
+            "is CPU-only: use device cpu (or auto), or install torch from a CUDA wheel index"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(
+            f"device {device!r}: torch sees no CUDA GPU on this machine (driver missing, "
+            "or CUDA_VISIBLE_DEVICES empty): use device cpu (or auto)"
+        )
+    if kind.index is not None and kind.index >= count:
+        raise ValueError(
+            f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+        )
 
 
 def check_model_path(model: str) -> None:

@@ -13,7 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from blockdraft.assets import default_drafter_path
-from blockdraft.config import EngineConfig, SpeculativeConfig
+from blockdraft.config import EngineConfig, SpeculativeConfig, check_can_run
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
@@ -47,6 +47,7 @@ class LLM:
         self.config = EngineConfig(
             model=model, speculative_config=speculative_config, **engine_args
         )
+        check_can_run(self.config)
         self.threads = apply_num_threads(self.config.num_threads)
         self.engine = LLMEngine(self.config)
         self.engine.detokenize_running = False  # generate() returns only finished requests

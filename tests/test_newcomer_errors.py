@@ -20,6 +20,7 @@ import torch
 from blockdraft import LLM, EngineConfig, SamplingParams
 from blockdraft import threads as threads_mod
 from blockdraft.cli import build_parser, main
+from blockdraft.config import check_device_available
 from blockdraft.train import regenerate
 
 from checkpoints import make_dflash_drafter, make_predictable_target, make_qwen3_checkpoint
@@ -65,10 +66,12 @@ def test_device_names_checked_against_the_machine(monkeypatch) -> None:
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match="torch sees no CUDA GPU"):
-        EngineConfig(device="cuda")
+        check_device_available("cuda")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"1 CUDA GPU\(s\), cuda:0 to cuda:0"):
-        EngineConfig(device="cuda:1")
+        check_device_available("cuda:1")
+    check_device_available("cuda:0")
+    check_device_available("cpu")
 
 
 # -- model and drafter paths ------------------------------------------------------------------

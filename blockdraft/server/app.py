@@ -491,10 +491,11 @@ def run_server(
     """Loads the engine and serves it until interrupted (`blockdraft serve`)."""
     import uvicorn
 
-    from blockdraft.config import EngineConfig
+    from blockdraft.config import EngineConfig, check_can_run
 
     log_engine_start()
     config = EngineConfig(**engine_kwargs)
+    check_can_run(config)
     threads = apply_num_threads(config.num_threads)
     engine = LLMEngine(config)
     logger.info("serving %s", describe_engine(engine, threads))

@@ -31,7 +31,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.config import check_drafter_path, check_model_path, resolve_device
+from blockdraft.config import (
+    check_device_available,
+    check_drafter_path,
+    check_model_path,
+    resolve_device,
+)
 from blockdraft.models.dflash import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -137,6 +142,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
+        check_device_available(self.device)
         # Paths fail now, not after regeneration or training.
         if self.model is not None:
             check_model_path(self.model)
