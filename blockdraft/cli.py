@@ -12,7 +12,7 @@ from pathlib import Path
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # every --help shows the defaults
 
 
-def positive_int(text: str) -> int:
+def _positive_int(text: str) -> int:
     """argparse type: an integer >= 1 (a bad value is argparse's one-line usage error)."""
     try:
         value = int(text)
@@ -46,7 +46,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--num-speculative-tokens",
-        type=positive_int,
+        type=_positive_int,
         default=None,
         help="draft tokens per step (unset: the drafter's block size - 1 on a GPU, at most 2 "
         "on the CPU); without --draft it applies to the default target's shipped drafter",
@@ -68,16 +68,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-model-len",
-        type=positive_int,
+        type=_positive_int,
         default=None,
         help="longest prompt + output in tokens (unset: the model's, at most 4096)",
     )
     p.add_argument(
-        "--max-num-seqs", type=positive_int, default=64, help="requests decoded together"
+        "--max-num-seqs", type=_positive_int, default=64, help="requests decoded together"
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=_positive_int,
         default=None,
         help="CPU threads for torch (unset: the cores free at start, at least 1; on a machine "
         "shared with other busy processes, 1 avoids a many-fold slowdown)",
@@ -156,7 +156,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=positive_int, default=256, help="new tokens per reply")
+    p.add_argument("--max-tokens", type=_positive_int, default=256, help="new tokens per reply")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=0, help="0: no top-k")
@@ -164,7 +164,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _start_llm(args: argparse.Namespace):
-    """The engine, after one stderr line that says what runs (model, drafter, device...)."""
+    """The LLM, then one stderr line saying what runs (model, drafter, device, dtype, threads)."""
     from blockdraft import LLM
     from blockdraft.llm import describe_engine
 
@@ -357,14 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(PROMPT_SETS),
         help=f"prompt sets, each read from a PyPI package ({sets_help})",
     )
-    bench.add_argument("--num-prompts", type=positive_int, default=20, help="prompts per set")
-    bench.add_argument("--max-tokens", type=positive_int, default=256, help="tokens per reply")
+    bench.add_argument("--num-prompts", type=_positive_int, default=20, help="prompts per set")
+    bench.add_argument("--max-tokens", type=_positive_int, default=256, help="tokens per reply")
     bench.add_argument(
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="one run per value"
     )
     bench.add_argument(
         "--repeats",
-        type=positive_int,
+        type=_positive_int,
         default=1,
         help="timed passes per engine, taken in turns; the median tok/s is reported",
     )
