@@ -76,7 +76,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ckpt = load_gguf(default_model_path())
-    llm = LLM(max_model_len=2048, speculative_config=None)
+    llm = LLM(max_model_len=2048, speculative_config=None, num_threads=args.threads)
     prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}]), add_special_tokens=False)
     model = hf_model(ckpt.state_dict, ckpt.hf_config)
@@ -91,7 +91,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         drafter = write_dummy_drafter(Path(tmp) / "drafter", ckpt.hf_config, num_layers=1)
         for n in tqdm([3, 7, 15], desc="step-cost ratio"):
-            spec = LLM(max_model_len=2048, speculative_config={
+            spec = LLM(max_model_len=2048, num_threads=args.threads, speculative_config={
                 "method": "dflash", "model": str(drafter), "num_speculative_tokens": n})
             spec_step = mean_step_time(spec, prompt_ids, args.steps)
             ratio_rows.append([n, ar_step * 1e3, spec_step * 1e3, spec_step / ar_step])

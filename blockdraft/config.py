@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -110,6 +111,9 @@ class EngineConfig:
     # Every kernel choice (blockdraft/kernels/policy.py); the default's backend comes from
     # BLOCKDRAFT_KERNELS.
     kernel_policy: KernelPolicy = field(default_factory=default_kernel_policy)
+    # torch intra-op threads for this process (torch.set_num_threads is process-wide). None:
+    # chosen at start from the cores free at that moment (blockdraft/threads.py says why).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernel_policy, KernelPolicy):
@@ -120,12 +124,9 @@ class EngineConfig:
             raise ValueError(
                 f"async_decode must be True, False or None (auto), got {self.async_decode!r}"
             )
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"unknown device {self.device!r}") from None
+        if self.num_threads is not None and not is_positive_int(self.num_threads):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        self.device = resolve_device(self.device)
         if self.async_decode is None:
             self.async_decode = torch.device(self.device).type == "cuda"
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,14 +137,20 @@ class EngineConfig:
         self.torch_dtype = dtypes[self.dtype]
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        for name in ("max_model_len", "num_kv_blocks"):  # None: sized automatically
+            value = getattr(self, name)
+            if value is not None and not is_positive_int(value):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not _is_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not _is_number(self.kv_cache_memory_gib) or self.kv_cache_memory_gib <= 0:
+            raise ValueError(
+                f"kv_cache_memory_gib must be a positive number, got {self.kv_cache_memory_gib!r}"
+            )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if isinstance(self.speculative_config, str):
@@ -164,3 +171,80 @@ class EngineConfig:
                     f"default SmolLM2 target; for {self.model} give a drafter directory"
                 )
             self.speculative_config = dataclasses.replace(spec, model=default_drafter_path())
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def resolve_device(device: str) -> str:
+    """The device to run on: `auto` is cuda when torch sees a GPU, else cpu; other names must
+    be cpu, cuda or cuda:N (whether this machine has them: `check_device_available`)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if kind.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    return device
+
+
+def check_can_run(config: EngineConfig) -> None:
+    """What a configuration alone does not tell: whether this machine has its device and its
+    model and drafter paths hold checkpoints. Checked before an engine starts (LLM, serve)."""
+    check_device_available(config.device)
+    if config.model is not None:
+        check_model_path(config.model)
+    if config.speculative_config is not None:
+        check_drafter_path(config.speculative_config.model)
+
+
+def check_device_available(device: str) -> None:
+    """Whether this torch build and machine can run on `device`, checked before an engine or
+    a trainer starts, so that a wrong one fails in one line instead of deep inside torch."""
+    kind = torch.device(device)
+    if kind.type != "cuda":
+        return
+    if torch.version.cuda is None:
+        raise ValueError(
+            f"device {device!r} needs a CUDA build of torch, but torch {torch.__version__} "
+            "is CPU-only: use device cpu (or auto), or install torch from a CUDA wheel index"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(
+            f"device {device!r}: torch sees no CUDA GPU on this machine (driver missing, "
+            "or CUDA_VISIBLE_DEVICES empty): use device cpu (or auto)"
+        )
+    if kind.index is not None and kind.index >= count:
+        raise ValueError(
+            f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+        )
+
+
+def check_model_path(model: str) -> None:
+    """A target must be a .gguf file or a Hugging Face directory with config.json."""
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"model must be a path (str), got {model!r}")
+    path = Path(model).expanduser()
+    fix = "give a Hugging Face checkpoint directory or a .gguf file (unset: SmolLM2-135M)"
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist: {fix}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model path {model!r} is a file but not a .gguf: {fix}")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model directory {model!r} has no config.json: {fix}")
+
+
+def check_drafter_path(model: str) -> None:
+    """A drafter is a directory in z-lab's format: config.json and model.safetensors."""
+    if not isinstance(model, str | os.PathLike):
+        raise ValueError(f"the drafter's model must be a path (str), got {model!r}")
+    path = Path(model).expanduser()
+    fix = "give a DFlash drafter directory (config.json, model.safetensors), or 'default'"
+    if not path.is_dir():
+        raise ValueError(f"drafter directory {model!r} does not exist: {fix}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"drafter directory {model!r} has no config.json: {fix}")

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import itertools
+import logging
+import sys
 from collections.abc import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
-from blockdraft.config import EngineConfig, SpeculativeConfig
+from blockdraft.assets import default_drafter_path
+from blockdraft.config import EngineConfig, SpeculativeConfig, check_can_run
 from blockdraft.engine.llm_engine import LLMEngine
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
+from blockdraft.threads import ThreadChoice, apply_num_threads
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -20,7 +29,10 @@ class LLM:
 
     With no `model`, the embedded SmolLM2-135M-Instruct is used, on the CPU with its shipped
     drafter (`speculative_config="auto"`; None turns speculation off). Other keyword arguments are
-    EngineConfig fields (blockdraft/config.py), e.g. `async_decode=True`.
+    EngineConfig fields (blockdraft/config.py), e.g. `async_decode=True`, `num_threads=1`.
+
+    `shutdown()` (or leaving a `with LLM(...) as llm:` block, or deleting the last reference)
+    frees the model, the drafter, the KV cache and the CUDA graphs at once.
     """
 
     def __init__(
@@ -30,20 +42,57 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | str | None = "auto",
         **engine_args: object,
     ) -> None:
+        self.engine: LLMEngine | None = None
+        _check_engine_args(engine_args)
         self.config = EngineConfig(
             model=model, speculative_config=speculative_config, **engine_args
         )
+        check_can_run(self.config)
+        self.threads = apply_num_threads(self.config.num_threads)
         self.engine = LLMEngine(self.config)
         self.engine.detokenize_running = False  # generate() returns only finished requests
         self._counter = itertools.count()
+        logger.info("%s", describe_engine(self.engine, self.threads))
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at interpreter exit everything goes anyway
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Frees the engine's memory now (device memory included); the LLM is unusable after.
+        A second call does nothing."""
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is None:
+            return
+        on_cuda = engine.device.type == "cuda"
+        # The engine's parts reference each other (the drafter's step callback holds the
+        # engine), so dropping the engine alone frees nothing until the garbage collector runs,
+        # and a new engine sized from free GPU memory would find the old one still there.
+        # Clearing its attributes frees the model, KV cache, graphs and drafter by refcount.
+        vars(engine).clear()
+        del engine
+        if on_cuda:  # any cycle left, then the allocator's cache back to the driver
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _live_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("this LLM was shut down; create a new one")
+        return self.engine
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._live_engine().tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's convention: the checkpoint's generation_config.json sets the defaults."""
-        return SamplingParams(**self.engine.generation_defaults)
+        return SamplingParams(**self._live_engine().generation_defaults)
 
     def generate(
         self,
@@ -62,15 +111,16 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("give one SamplingParams, or one per prompt")
+        engine = self._live_engine()
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params, strict=True):
                 request_id = str(next(self._counter))
-                self.engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params)
                 ids.append(request_id)
         except ValueError:
             for request_id in ids:  # a bad prompt rejects the whole call, and leaves no trace
-                self.engine.abort_request(request_id)
+                engine.abort_request(request_id)
             raise
         return self._run(ids, use_tqdm)
 
@@ -108,6 +158,34 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _check_engine_args(engine_args: dict) -> None:
+    """An unknown keyword (a vLLM-only one, a typo) names the ones that exist."""
+    known = [f.name for f in dataclasses.fields(EngineConfig) if f.init]
+    unknown = sorted(set(engine_args) - set(known))
+    if unknown:
+        raise ValueError(
+            f"LLM got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(known)}"
+        )
+
+
+def describe_engine(engine: LLMEngine, threads: ThreadChoice) -> str:
+    """One line naming what runs: target, drafter, device, dtype and CPU threads."""
+    cfg = engine.config
+    model = cfg.model or "SmolLM2-135M-Instruct (embedded)"
+    spec = cfg.speculative_config
+    if spec is None:
+        drafter = "no drafter"
+    else:
+        shipped = spec.model == default_drafter_path()
+        drafter = "the shipped SmolLM2 drafter" if shipped else f"drafter {spec.model}"
+        drafter += f" (up to {engine.num_spec} draft{'s' if engine.num_spec > 1 else ''} a step)"
+    return (
+        f"{model}, {drafter}, device {cfg.device}, {cfg.dtype}, "
+        f"{threads.num_threads} CPU thread{'s' if threads.num_threads > 1 else ''} "
+        f"({threads.reason})"
+    )
 
 
 def _check_messages(messages: object) -> None:

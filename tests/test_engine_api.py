@@ -88,7 +88,7 @@ def test_bad_prompts_are_rejected_and_engine_keeps_serving(llm: LLM, rng) -> Non
 
 
 def test_bad_checkpoints(tmp_path: Path, target: Path) -> None:
-    with pytest.raises(ValueError, match="neither a directory nor a .gguf"):
+    with pytest.raises(ValueError, match="does not exist: give a Hugging Face checkpoint dir"):
         LLM(str(tmp_path / "nope"))
     broken = tmp_path / "broken"
     shutil.copytree(target, broken)
@@ -213,4 +213,4 @@ def test_engine_start_reports_its_times(target: Path, caplog) -> None:
         llm = LLM(str(target), max_model_len=64)
     (line,) = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
     assert f"engine ready in {llm.engine.load_time_s:.1f} s" in line
-    assert "CUDA graphs captured in" in line and "eager kernels warmed up in" in line
+    assert "CUDA graphs" not in line  # a CPU engine captures none

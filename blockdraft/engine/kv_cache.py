@@ -50,24 +50,37 @@ def num_kv_blocks(
     max_num_seqs requests of max_model_len need; at least one such request's worth."""
     cfg = config
     per_seq = max_blocks_per_seq(max_model_len, lookahead, cfg.block_size)
+    per_block = kv_bytes_per_block(layers, cfg.block_size, cfg.torch_dtype)
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
+        room = f"num_kv_blocks {num_blocks} holds {_gib(num_blocks * per_block)}"
+        fix = f"raise num_kv_blocks to at least {per_seq} or lower max_model_len"
     else:
-        per_block = kv_bytes_per_block(layers, cfg.block_size, cfg.torch_dtype)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = (
-                free
-                - (1 - cfg.gpu_memory_utilization)
-                * torch.cuda.get_device_properties(device).total_memory
+            total = torch.cuda.get_device_properties(device).total_memory
+            kept = (1 - cfg.gpu_memory_utilization) * total
+            budget = free - kept
+            room = (
+                f"{_gib(free)} is free after the weights, of which gpu_memory_utilization "
+                f"{cfg.gpu_memory_utilization} keeps {_gib(kept)} back"
+            )
+            fix = (
+                "raise gpu_memory_utilization or lower max_model_len (or free the GPU: "
+                "LLM.shutdown() an engine no longer used)"
             )
         else:
             budget = cfg.kv_cache_memory_gib * 2**30
+            room = f"kv_cache_memory_gib gives it {_gib(budget)}"
+            fix = "raise kv_cache_memory_gib or lower max_model_len"
         num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
     if num_blocks < per_seq:
         raise ValueError(
-            f"the KV cache holds {num_blocks} blocks of {cfg.block_size} tokens, fewer than "
-            f"one request of max_model_len {max_model_len} needs ({per_seq}); "
-            "lower max_model_len or give the cache more memory"
+            f"the KV cache needs {_gib(per_seq * per_block)} for one request of "
+            f"max_model_len {max_model_len}, but {room}: {fix}"
         )
     return num_blocks
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.2f} GiB"

@@ -47,8 +47,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len, self.num_spec = loaded.max_model_len, loaded.num_spec
         self.draft_schedule, self.lookahead = loaded.draft_schedule, loaded.lookahead
-        spec = config.speculative_config
-        rate = spec.synthetic_acceptance_rate if spec is not None else None
+        rate = getattr(config.speculative_config, "synthetic_acceptance_rate", None)
         self.runner = ModelRunner(self.model, config.block_size, self.device, rate)
         self.proposer: DFlashProposer | None = None
         self.draft_launcher: DraftLauncher | None = None
@@ -57,14 +56,12 @@ class LLMEngine:
             self.proposer = DFlashProposer(loaded.drafter, config.block_size)
             self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
             attention_layers += loaded.drafter.attention_layers
+        kv_layers, bs = attention_layers, config.block_size
         num_blocks = num_kv_blocks(
-            config, attention_layers, self.device, self.max_model_len, self.lookahead
+            config, kv_layers, self.device, self.max_model_len, self.lookahead
         )
-        dtype = config.torch_dtype
-        allocate_kv_cache(attention_layers, num_blocks, config.block_size, dtype, self.device)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
-        )
+        allocate_kv_cache(kv_layers, num_blocks, bs, config.torch_dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
@@ -73,12 +70,9 @@ class LLMEngine:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
         if self.device.type == "cuda":  # Triton compiles now rather than mid-serving
             self.warm_up()
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.model.cfg.vocab_size, self.max_model_len, config.seed
-        )
-        self.output_processor = OutputProcessor(
-            self.tokenizer, self.eos_token_ids, self.max_model_len
-        )
+        vocab, max_len = self.model.cfg.vocab_size, self.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, vocab, max_len, config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_len)
         self.spec_stats = SpecDecodeStats(self.num_spec)
         self.requests: dict[str, Sequence] = {}
         # Streaming needs the text of running requests every step; offline generation reads it
@@ -87,9 +81,9 @@ class LLMEngine:
         # async_decode: the decode step launched ahead and not read back yet (see async_decode).
         self._inflight: InflightDecode | None = None
         self.load_time_s = time.perf_counter() - t0
+        gpu = f" (CUDA graphs {self.capture_time_s:.1f} s, warm-up {self.warmup_time_s:.1f} s)"
         logger.info(
-            "engine ready in %.1f s (CUDA graphs captured in %.1f s, eager kernels warmed up "
-            "in %.1f s)", self.load_time_s, self.capture_time_s, self.warmup_time_s,
+            "engine ready in %.1f s%s", self.load_time_s, gpu * (self.device.type == "cuda")
         )
 
     @under_kernel_policy

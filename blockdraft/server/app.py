@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from blockdraft.engine.llm_engine import LLMEngine
+from blockdraft.llm import describe_engine
 from blockdraft.outputs import RequestOutput
 from blockdraft.server.async_engine import (
     AsyncEngine,
@@ -48,6 +49,7 @@ from blockdraft.server.protocol import (
     parse_request,
     sampling_params,
 )
+from blockdraft.threads import apply_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -489,10 +491,14 @@ def run_server(
     """Loads the engine and serves it until interrupted (`blockdraft serve`)."""
     import uvicorn
 
-    from blockdraft.config import EngineConfig
+    from blockdraft.config import EngineConfig, check_can_run
 
     log_engine_start()
-    engine = LLMEngine(EngineConfig(**engine_kwargs))
+    config = EngineConfig(**engine_kwargs)
+    check_can_run(config)
+    threads = apply_num_threads(config.num_threads)
+    engine = LLMEngine(config)
+    logger.info("serving %s", describe_engine(engine, threads))
     app = build_app(engine, served_model_name, api_key=api_key, max_waiting=max_waiting)
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -15,18 +15,41 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         help="train a DFlash drafter for a target",
         description="Regenerates the responses of --data with the target (unless it already is "
         "a regenerated shard), trains a DFlash drafter and saves it to --out in z-lab format.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="target (default: SmolLM2-135M)")
+    p.add_argument("--model", default=None, help="target (unset: the embedded SmolLM2-135M)")
     p.add_argument(
-        "--data", required=True, help="prompts (.jsonl/.json/.txt) or regenerated .jsonl"
+        "--data",
+        required=True,
+        help="prompts: .jsonl (one record a line with 'messages', ShareGPT 'conversations', "
+        "'prompt' or 'text'), .json (an array of them) or plain text (one prompt a line); or a "
+        "shard regenerated before (.jsonl with input_ids and loss_start)",
     )
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument(
+        "--out", required=True, help="output directory: drafter, checkpoints, data.jsonl"
+    )
     g = p.add_argument_group("drafter")
-    g.add_argument("--num-layers", type=int, default=1)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--mask-token-id", type=int, default=None)
-    g.add_argument("--target-layer-ids", type=_int_list, default=None, help="e.g. 2,15,27")
-    g.add_argument("--num-target-features", type=int, default=None)
+    g.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per block: anchor + masks")
+    g.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="token the masked positions hold (unset: an unused special token of the target)",
+    )
+    g.add_argument(
+        "--target-layer-ids",
+        type=_int_list,
+        default=None,
+        help="target layers whose hidden states feed the drafter, e.g. 2,15,27 (unset: "
+        "z-lab's rule, spread over the target's depth)",
+    )
+    g.add_argument(
+        "--num-target-features",
+        type=int,
+        default=None,
+        help="how many target layers z-lab's rule picks (unset: --num-layers)",
+    )
     g.add_argument("--init-drafter", default=None, help="start from this drafter checkpoint")
     g.add_argument(
         "--grow-layers",
@@ -35,32 +58,48 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         help="with --init-drafter: add this many layers on top, starting as the identity",
     )
     g = p.add_argument_group("regeneration")
-    g.add_argument("--num-prompts", type=int, default=None)
+    g.add_argument(
+        "--num-prompts", type=int, default=None, help="first N prompts of --data (unset: all)"
+    )
     g.add_argument("--max-tokens", type=int, default=512, help="response length cap")
-    g.add_argument("--max-prompt-tokens", type=int, default=1024)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--regen-batch-size", type=int, default=1024)
+    g.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are skipped")
+    g.add_argument("--temperature", type=float, default=0.0, help="of the target's responses")
+    g.add_argument("--regen-batch-size", type=int, default=1024, help="prompts per generate call")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs)")
-    g.add_argument("--epochs", type=float, default=1.0)
+    g.add_argument("--steps", type=int, default=None, help="optimizer steps (unset: --epochs)")
+    g.add_argument("--epochs", type=float, default=1.0, help="passes over the data")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1)
-    g.add_argument("--lr", type=float, default=6e-4)
-    g.add_argument("--warmup-ratio", type=float, default=0.04)
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
+    g.add_argument(
+        "--warmup-ratio", type=float, default=0.04, help="share of steps warming the lr up"
+    )
     g.add_argument("--anchors", type=int, default=512, help="blocks per sequence")
-    g.add_argument("--loss-gamma", type=float, default=None)
-    g.add_argument("--max-seq-len", type=int, default=2048)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--attention", default="auto", choices=["auto", "dense", "flex"])
+    g.add_argument(
+        "--loss-gamma",
+        type=float,
+        default=None,
+        help="loss weight decay exp(-(k-1)/gamma) over block positions (unset: by block size)",
+    )
+    g.add_argument("--max-seq-len", type=int, default=2048, help="longer sequences are truncated")
+    g.add_argument("--seed", type=int, default=0, help="anchors, initial weights, sampling")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    g.add_argument(
+        "--attention",
+        default="auto",
+        choices=["auto", "dense", "flex"],
+        help="block attention: flex (FlexAttention, GPU only) or dense (auto: flex on CUDA)",
+    )
     g.add_argument("--no-compile", action="store_true", help="eager FlexAttention")
     g.add_argument(
         "--fused-loss",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="LM head + cross-entropy in a fused Triton kernel (default: on CUDA)",
+        help="LM head + cross-entropy in a fused Triton kernel (unset: on CUDA)",
     )
-    g.add_argument("--save-every", type=int, default=0)
+    g.add_argument(
+        "--save-every", type=int, default=0, help="steps between checkpoints (0: at the end)"
+    )
     g.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     g.add_argument("--stop-after", type=int, default=None, help="stop at this step (resumable)")
     g.add_argument(
@@ -72,9 +111,14 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("evaluation")
     g.add_argument("--eval-holdout", type=int, default=0, help="regenerated samples held out")
     g.add_argument("--eval-prompts", default=None, help="prompt file for evaluation")
-    g.add_argument("--eval-num-prompts", type=int, default=64)
-    g.add_argument("--eval-max-tokens", type=int, default=256)
-    g.add_argument("--eval-every", type=int, default=0)
+    g.add_argument("--eval-num-prompts", type=int, default=64, help="prompts evaluated at most")
+    g.add_argument("--eval-max-tokens", type=int, default=256, help="tokens generated per prompt")
+    g.add_argument(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="steps between evaluations (0: at the end); needs --eval-holdout or --eval-prompts",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_train_draft)
 
@@ -82,6 +126,10 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_train_draft(args: argparse.Namespace) -> None:
     from blockdraft.train.trainer import TrainConfig, train_drafter
 
+    if args.eval_every and not (args.eval_holdout or args.eval_prompts):
+        raise ValueError(
+            "--eval-every needs something to evaluate: give --eval-holdout or --eval-prompts"
+        )
     cfg = TrainConfig(
         out_dir=args.out,
         data=args.data,

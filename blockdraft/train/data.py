@@ -196,9 +196,7 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Messages]:
     if not path.is_file():
         raise ValueError(f"prompt file {path} does not exist")
     if path.suffix == ".jsonl":
-        records: Iterator[object] = (
-            json.loads(line) for line in path.open(encoding="utf-8") if line.strip()
-        )
+        records: Iterator[object] = _jsonl_records(path)
     elif path.suffix == ".json":
         records = iter_json_array(path)
     else:
@@ -214,7 +212,31 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Messages]:
         if key not in seen:
             seen.add(key)
             prompts.append(prompt)
+    if not prompts and limit != 0:
+        raise ValueError(
+            f"prompt file {path} holds no usable prompt: give JSONL records with 'messages' "
+            "(a user turn), ShareGPT 'conversations', 'prompt' or 'text', a JSON array of "
+            "them, or plain text with one prompt a line"
+        )
     return prompts
+
+
+def _jsonl_records(path: Path) -> Iterator[object]:
+    """The records of a JSONL file; a line that is not JSON is an error naming it."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                yield _json_line(line, path, number)
+
+
+def _json_line(line: str, path: Path, number: int) -> object:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} line {number} is not JSON ({e.msg}): a .jsonl file holds one JSON "
+            "record a line; name plain-text prompts *.txt"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,9 +250,9 @@ def is_sample_file(path: str | Path) -> bool:
     if path.suffix != ".jsonl" or not path.is_file():
         return False
     with path.open(encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
-                record = json.loads(line)
+                record = _json_line(line, path, number)
                 return isinstance(record, dict) and {"input_ids", "loss_start"} <= set(record)
     return False
 
@@ -299,6 +321,8 @@ def regenerate(
         prompts = load_prompts(prompts, limit)
     elif limit is not None:
         prompts = list(prompts)[:limit]
+    if not prompts:
+        raise ValueError("no prompts to regenerate")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _done_keys(out_path)
@@ -316,13 +340,15 @@ def regenerate(
         engine_args.setdefault("max_num_batched_tokens", 16384)
         llm = LLM(model, **engine_args)
     room = llm.engine.max_model_len - 1  # the engine needs space for one new token
+    longest = min(max_prompt_tokens, room)
+    written = 0
     bar = tqdm(total=len(todo), desc="Regenerating", disable=not use_tqdm)
     with out_path.open("a", encoding="utf-8") as f:
         for start in range(0, len(todo), batch_size):
             batch = []
             for key, messages in todo[start : start + batch_size]:
                 ids = render_prompt(llm.tokenizer, messages)
-                if 0 < len(ids) <= min(max_prompt_tokens, room):
+                if 0 < len(ids) <= longest:
                     batch.append((key, ids))
             params = [
                 SamplingParams(
@@ -345,7 +371,13 @@ def regenerate(
                     "finish_reason": completion.finish_reason,
                 }
                 f.write(json.dumps(record) + "\n")
+            written += len(batch)
             f.flush()  # a finished batch survives an interruption
             bar.update(min(batch_size, len(todo) - start))
     bar.close()
+    if not written and not done:
+        raise ValueError(
+            f"every prompt is longer than {longest} tokens, so none was regenerated: raise "
+            "max_prompt_tokens (--max-prompt-tokens) or max_model_len"
+        )
     return out_path

@@ -31,6 +31,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockdraft.config import (
+    check_device_available,
+    check_drafter_path,
+    check_model_path,
+    resolve_device,
+)
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -135,8 +141,15 @@ class TrainConfig:
     use_tqdm: bool = True
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
+        check_device_available(self.device)
+        # Paths fail now, not after regeneration or training.
+        if self.model is not None:
+            check_model_path(self.model)
+        if self.init_drafter is not None:
+            check_drafter_path(self.init_drafter)
+        if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
+            raise ValueError(f"eval prompt file {self.eval_prompts} does not exist")
         if self.attention == "auto":
             self.attention = "flex" if self.device.startswith("cuda") else "dense"
         if self.load_format not in ("auto", "dummy"):

@@ -50,8 +50,9 @@ def test_the_budget_sets_the_blocks_up_to_what_max_num_seqs_requests_use(rng) ->
 
 
 def test_a_pool_smaller_than_one_request_is_refused(rng) -> None:
-    with pytest.raises(ValueError, match="fewer than one request"):
+    with pytest.raises(ValueError, match="raise num_kv_blocks to at least 5") as error:
         num_kv_blocks(config(block_size=16, num_kv_blocks=4), layers(rng, 2), CPU, 64, 8)
+    assert "GiB for one request of max_model_len 64" in str(error.value)
 
 
 def test_every_layer_gets_the_pool_and_a_pad_block(rng) -> None:
