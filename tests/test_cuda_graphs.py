@@ -209,7 +209,7 @@ def test_graphed_context_pads_the_rows_it_is_not_given(pair, rng) -> None:
 
     target, drafter = pair
     llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)},
-              max_model_len=64)
+              max_model_len=64, dtype="float32")
     graphed = GraphedContext(llm.engine.proposer.drafter, 16, torch.device("cpu"))
     assert torch.all(graphed.slot_mapping == PAD_SLOT_ID)  # a capture writes nothing
     width = graphed.features.shape[1]

@@ -409,7 +409,10 @@ def test_skinny_linear_rms_norm(rng, cfg: SkinnyConfig | None, dtype: torch.dtyp
         else:
             normed = triton_rms_norm(x, norm_w, 1e-6)
         unfused = skinny_linear(normed, w, b, cfg)
-        assert torch.equal(got, unfused), (got - unfused).abs().max()
+        if DEVICE.type == "cuda":  # compiled, the norm's FMAs may contract differently
+            torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, unfused), (got - unfused).abs().max()
         # The twin (torch's norm: rsqrt and its own sum order, so not bit for bit the kernel's).
         twin_stream = None if residual is None else torch.empty_like(x)
         twin = skinny_linear_torch(
