@@ -113,13 +113,15 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 seq.num_computed_tokens = self.block_manager.allocate_cached_prefix(seq)
-                seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.ensure_capacity(seq, self._capacity_needed(seq, num_new)):
                 self.block_manager.free(seq)
                 seq.reset_for_recompute()
                 break
             self.waiting.popleft()
+            # Counted when admitted (a failed attempt's hits are given back), prompt only: a
+            # preempted request's hits on readmission include its own output's blocks.
+            seq.num_cached_tokens = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(
