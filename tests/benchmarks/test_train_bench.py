@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import train_bench
 from blockdraft.train.trainer import TrainConfig
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import train_bench  # noqa: E402
 
 
 def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
