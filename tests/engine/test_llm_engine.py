@@ -1,6 +1,8 @@
 """Greedy output of the batched engine equals transformers' greedy generate, token for token,
-under chunked prefill, preemption and prefix caching."""
+under chunked prefill, preemption and prefix caching; with every Triton kernel on, the same
+greedy tokens as the torch path."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -8,8 +10,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from blockdraft import LLM, SamplingParams
+from blockdraft.kernels import triton_attention, triton_rope
+from blockdraft.kernels.dflash_inputs import DFlashInputs
+from blockdraft.kernels.policy import KernelPolicy
+from blockdraft.kernels.triton_activation import triton_silu_mul
+from blockdraft.kernels.triton_attention import triton_paged_attention
+from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs
+from blockdraft.kernels.triton_rmsnorm import triton_rms_norm
+from blockdraft.kernels.triton_rope import triton_qk_norm_rope, triton_qk_norm_rope_store
 
-from checkpoints import make_llama_checkpoint, make_qwen3_checkpoint
+from checkpoints import make_dflash_drafter, make_llama_checkpoint, make_qwen3_checkpoint
+from kernel_inputs import DEVICE, needs_triton
 
 MAX_TOKENS = 12
 
@@ -78,3 +89,120 @@ def test_prefix_caching_shares_blocks_and_keeps_output(target: Path, rng) -> Non
     assert all(o.num_cached_tokens == 40 for o in rest)
     expected = reference_greedy(target, prompts, MAX_TOKENS)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+# --- every Triton kernel in the engine ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("kernels-engine")
+    target = make_qwen3_checkpoint(root / "target", num_layers=2)
+    # One sliding causal layer, one non-causal layer: both drafter attention modes.
+    drafter = make_dflash_drafter(
+        root / "drafter",
+        target,
+        target_layer_ids=[0, 1],
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return target, drafter
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("speculative", "rope_rows"),
+    [(False, None), (True, None), (True, 16)],
+    ids=["plain", "dflash", "dflash-rope-in-block-attention"],
+)
+def test_engine_greedy_same_with_triton_kernels(
+    tiny_pair, rng, monkeypatch, speculative: bool, rope_rows: int | None
+) -> None:
+    """Greedy outputs with every Triton kernel equal the torch path's; with rope_rows, verify
+    and drafter blocks also norm, rotate and store their step in the attention kernel."""
+    target, drafter = tiny_pair
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (3, 13)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    # A small pool: the interpreter copies every tensor argument on each launch. Chunked
+    # prefill puts prefill chunks and decode/verify rows in the same batch.
+    engine_args: dict = dict(
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=48,
+        max_num_batched_tokens=8,
+        device=str(DEVICE),
+    )
+    if speculative:
+        engine_args["speculative_config"] = {
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": 3,
+        }
+
+    def generate(policy: KernelPolicy) -> list[list[int]]:
+        llm = LLM(str(target), dtype="float32", kernel_policy=policy, **engine_args)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = generate(KernelPolicy(backend="torch"))
+    calls: dict[str, int] = {"attention": 0, "norm": 0, "fused norm": 0, "rope": 0, "silu": 0}
+    triton_policy = KernelPolicy(backend="triton")
+    if rope_rows is not None:
+        triton_policy = dataclasses.replace(
+            triton_policy, rope_in_attention_max_query_len=rope_rows
+        )
+        del calls["rope"]  # every launch here (chunks of <= 8 rows) fits the attention kernel
+    if not speculative or rope_rows is not None:  # (DFlash steps verify: no decode forward)
+        # Decode forwards (and blocks, with rope_rows) norm, rotate and store the step's
+        # q/k/v in the attention kernel.
+        calls["rope in attention"] = 0
+    if speculative:
+        calls["rope keys only"] = 0  # the drafter's context K (project_kv)
+        calls["dflash inputs"] = 0  # the drafter's inputs, built from the step's results
+
+        def counting_dflash_inputs(*args: object, **kwargs: object) -> DFlashInputs:
+            calls["dflash inputs"] += 1
+            return prepare_dflash_inputs(*args, **kwargs)
+
+        monkeypatch.setattr(
+            "blockdraft.kernels.triton_dflash_inputs.prepare_dflash_inputs",
+            counting_dflash_inputs,
+        )
+
+    def counting_attention(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["attention"] += 1
+        if kwargs.get("step_kv") is not None:
+            calls["rope in attention"] += 1
+        return triton_paged_attention(*args, **kwargs)
+
+    def counting_norm(*args: object, **kwargs: object) -> object:
+        fused = len(args) > 3 and args[3] is not None
+        calls["fused norm" if fused else "norm"] += 1
+        return triton_rms_norm(*args, **kwargs)
+
+    monkeypatch.setattr(
+        "blockdraft.kernels.triton_attention.triton_paged_attention", counting_attention
+    )
+
+    def counting_rope(*args: object, **kwargs: object) -> object:
+        calls["rope" if args[0] is not None else "rope keys only"] += 1
+        return triton_qk_norm_rope(*args, **kwargs)
+
+    def counting_rope_store(*args: object, **kwargs: object) -> object:
+        # fuse_kv_store_into_rope: the same norm + RoPE, storing K/V as it goes
+        calls["rope" if args[0] is not None else "rope keys only"] += 1
+        return triton_qk_norm_rope_store(*args, **kwargs)
+
+    def counting_silu_mul(*args: object, **kwargs: object) -> torch.Tensor:
+        calls["silu"] += 1
+        return triton_silu_mul(*args, **kwargs)
+
+    monkeypatch.setattr("blockdraft.kernels.triton_rmsnorm.triton_rms_norm", counting_norm)
+    monkeypatch.setattr("blockdraft.kernels.triton_rope.triton_qk_norm_rope", counting_rope)
+    for module in (triton_rope, triton_attention):  # the drafter's context path, the layers'
+        monkeypatch.setattr(module, "triton_qk_norm_rope_store", counting_rope_store)
+    monkeypatch.setattr("blockdraft.kernels.triton_activation.triton_silu_mul", counting_silu_mul)
+    got = generate(triton_policy)
+    # Plain norms (the first input norm), residual-fused ones, the q/k norms fused with RoPE,
+    # the MLP activations (and the drafter's inputs) all ran in Triton.
+    assert all(calls.values()), f"the engine skipped a Triton backend: {calls}"
+    assert got == expected

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dflash import run_counting_readbacks
+from test_dflash_lossless import run_counting_readbacks
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.config import SpeculativeConfig
