@@ -9,12 +9,15 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from blockdraft.kernels.forward_context import AttentionMetadata  # noqa: E402
 from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
 from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
+from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 from blockdraft.runtime.host_batch import build_attention_metadata  # noqa: E402
 
 INTERPRETED = triton_interpreting()
@@ -26,8 +29,8 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 ATOL = 2e-5 if INTERPRETED else 1e-4  # fp32 tensor-core dots on the GPU round differently
 
 
-def randn(rng: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=rng).to(DEVICE)
+def randn(rng: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=rng).to(DEVICE, dtype)
 
 
 def paged_batch(
@@ -100,3 +103,35 @@ def qk_case(
     positions = torch.randint(0, 50, (num_tokens,), generator=rng).to(DEVICE)
     weights = [(1 + 0.1 * randn(rng, head_dim)).to(dtype) if with_norm else None for _ in "qk"]
     return rotary, query, key, positions, *weights
+
+
+def tiny_qwen3_config(num_layers: int) -> TransformerConfig:
+    """A Qwen3-shaped model (q/k norms, GQA 2) small enough for the interpreter."""
+    return TransformerConfig(
+        architecture="qwen3",
+        vocab_size=50,
+        hidden_size=24,
+        intermediate_size=40,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=12,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        qk_norm=True,
+    )
+
+
+def inputs(
+    rng: torch.Generator, m: int, n: int, k: int, dtype: torch.dtype, bias: bool, strided: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x [m, k] (a column slice of a wider matrix when strided: row stride k + 24), W [n, k]
+    scaled to keep outputs O(1), bias [n] or None."""
+    x = randn(rng, m, k + 24, dtype=dtype)[:, 5 : 5 + k] if strided else randn(rng, m, k)
+    x = x.to(dtype)
+    w = (randn(rng, n, k) / math.sqrt(k)).to(dtype)
+    return x, w, randn(rng, n, dtype=dtype) if bias else None

@@ -1,6 +1,7 @@
 """The Llama family (Llama, Qwen3 dense) through the paged path equals transformers: prefill and
 per-step decode logits; its decoder layers fuse the residual adds into the norms and the KV
-store into RoPE without changing their outputs."""
+store into RoPE, and add + norm into the skinny GEMMs, without changing their outputs."""
+
 
 from pathlib import Path
 
@@ -14,12 +15,14 @@ from blockdraft.engine.sequence import Sequence
 from blockdraft.kernels import triton_attention, triton_rope
 from blockdraft.kernels.forward_context import PAD_SLOT_ID, forward_context
 from blockdraft.kernels.triton_kv_store import triton_store_kv
+from blockdraft.kernels.triton_linear import skinny_linear
 from blockdraft.kernels.triton_rmsnorm import triton_rms_norm
 from blockdraft.kernels.triton_rope import triton_qk_norm_rope_store
+from blockdraft.layers import linear as linear_layer
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.llama import DecoderLayer
+from blockdraft.models.llama import DecoderLayer, DecoderLM
 from blockdraft.models.model_config import TransformerConfig
 from blockdraft.runtime.host_batch import build_attention_metadata
 from blockdraft.sampling_params import SamplingParams
@@ -33,6 +36,7 @@ from kernel_inputs import (
     needs_triton,
     paged_batch,
     randn,
+    tiny_qwen3_config,
 )
 
 CASES = {
@@ -266,3 +270,70 @@ def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
     for g, e in zip(got_caches, expected_caches, strict=True):
         # All but the pool's reserved last slot, where the torch store sends PAD rows.
         assert_same_slots(g, e)
+
+
+# --- decoder layers: add + RMSNorm fused into the skinny GEMM ------------------------------
+
+
+class StubAttention(nn.Module):
+    """A cheap deterministic stand-in for PagedAttention (no KV cache or metadata needed)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return 0.5 * q + v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) - k.mean(1, True)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_decoder_fuses_norms_into_skinny(
+    rng, monkeypatch, set_policy, fuse: bool, dtype: torch.dtype
+) -> None:
+    """With fuse_norm_into_skinny, a Qwen3-style model (q/k norms) with fused projections runs
+    each layer's two add + norms in the q/k/v and gate/up GEMMs up to norm_prologue_max_rows rows,
+    bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
+    sum the residual stream); past that, or with the flag off, nothing changes."""
+    # Skinny up to 4 rows, its prologues up to norm_prologue_max_rows (2) only. The stub
+    # below replaces the paged cache, so K/V take the separate store (the stub's no-op).
+    policy = dict(
+        backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=4,
+        fuse_kv_store_into_rope=False,
+    )  # fmt: skip
+    calls = []
+
+    def counting(device: torch.device):
+        def run(x, weight, bias, **kwargs):
+            calls.append("norm+linear" if "rms_norm" in kwargs else "linear")
+            return skinny_linear(x, weight, bias, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
+    cfg = tiny_qwen3_config(num_layers=3)
+    with torch.device(DEVICE):
+        lm = DecoderLM(cfg)
+    for name, p in lm.named_parameters():
+        p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
+    lm = lm.to(dtype).requires_grad_(False)
+    fuse_projections(lm)
+    for layer in lm.model.layers:
+        layer.self_attn.attn = StubAttention()
+    # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
+    # stream so that layer 2 starts afresh.
+    lm.capture_layer_ids = (1,)
+    for rows in [1, 2, 3, 5]:
+        ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
+        positions = torch.arange(rows, device=DEVICE)
+        set_policy(**policy, fuse_norm_into_skinny=False)
+        expected = lm(ids, positions)
+        set_policy(**policy, fuse_norm_into_skinny=fuse)
+        calls.clear()
+        got = lm(ids, positions)
+        if rows > 4:
+            assert calls == []
+        elif rows > 2:  # skinny, without prologues
+            assert calls == ["linear"] * 12
+        elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
+            assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3
+        else:
+            assert calls == ["linear"] * 12
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
