@@ -1,5 +1,6 @@
 import contextlib
 import os
+import random
 import zlib
 from collections.abc import Callable, Iterator
 
@@ -28,6 +29,12 @@ def rng() -> torch.Generator:
     seed = int(os.environ.get("BLOCKDRAFT_TEST_SEED", torch.seed() % 2**31))
     print(f"test seed: {seed} (set BLOCKDRAFT_TEST_SEED to replay)")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def py_rng(rng: torch.Generator) -> random.Random:
+    """A Python `random.Random` seeded from `rng` (so BLOCKDRAFT_TEST_SEED replays it too)."""
+    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 @pytest.fixture
