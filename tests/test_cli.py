@@ -29,6 +29,7 @@ def test_generate_prints_text_speed_and_spec_stats(pair, capsys) -> None:
     assert "speculative decoding:" in spec[2] and "mean acceptance length" in spec[2]
 
 
+@pytest.mark.slow
 def test_default_target_speculates_unless_draft_none(capsys) -> None:
     """Unset --draft: the default target drafts with its shipped drafter on the CPU; --draft
     none turns speculation off; the text is the same."""

@@ -12,6 +12,7 @@ from benchmarks import train_bench
 from blockdraft.train.trainer import TrainConfig
 
 
+@pytest.mark.slow
 def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
     out = tmp_path / "bench.json"
     argv = ["train_bench", "--tiny", "--batch-sizes", "2", "--steps", "1", "--warmup", "1",

@@ -56,6 +56,7 @@ SETUPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("sampling", ["greedy", "seeded", "eos"])
 def test_generate_equals_sync_engine(target: Path, rng, setup: str, sampling: str) -> None:

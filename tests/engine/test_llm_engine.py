@@ -109,6 +109,7 @@ def tiny_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, drafter
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize(
     ("speculative", "rope_rows"),

@@ -137,6 +137,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_pdl_kernels_compile_for_hopper() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,

@@ -167,6 +167,7 @@ def test_attention_empty_batch() -> None:
     assert out.shape == (0, 2, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "num_splits"),
     [(m, n) for m in ("causal", "drafter-block", "sliding-noncausal") for n in (5, 37)]
@@ -190,6 +191,7 @@ def test_attention_split_k_forced(rng, mode: str, num_splits: int) -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "num_splits"),
     [(4, 2, 16, 5), (6, 2, 24, 16), (8, 2, 16, 3), (2, 2, 16, 7)],  # GQA 2, 3 (as 4), 4, 1

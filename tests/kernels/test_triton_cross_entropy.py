@@ -74,6 +74,7 @@ def assert_correct_equal(correct, ref, h, w) -> None:
     assert torch.equal(correct[clear], ref[clear])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("rows", "vocab", "hidden", "chunk", "block_v", "dtype"),
     [

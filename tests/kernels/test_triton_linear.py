@@ -86,6 +86,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"dot{int(c.use_dot)}-split{c.split_k}")
 @pytest.mark.parametrize("m", [1, 3, 16, 19])  # 19: more than one tile of rows
 def test_skinny_linear_paths(rng, cfg: SkinnyConfig, m: int) -> None:
@@ -171,6 +172,7 @@ FUSED_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     FUSED_CONFIGS,
@@ -225,6 +227,7 @@ NORM_CASES = [  # (m, k, n, residual, bias): K odd (37) or long (200: blocks and
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     FUSED_CONFIGS,

@@ -11,6 +11,8 @@ from blockdraft.kernels.forward_context import forward_context
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
 from blockdraft.runtime.host_batch import build_attention_metadata
 
+pytestmark = pytest.mark.slow  # every test loads the 135M-parameter model
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:

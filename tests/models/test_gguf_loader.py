@@ -106,6 +106,7 @@ def test_default_model_path() -> None:
     assert os.path.isfile(path)
 
 
+@pytest.mark.slow
 def test_config_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     cfg, ref = ckpt.hf_config, ref_model.config
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -131,6 +132,7 @@ def test_config_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
 
 
+@pytest.mark.slow
 def test_state_dict_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     ref = ref_model.state_dict()
     # Tied embeddings: transformers lists lm_head.weight as an alias of the embedding.
@@ -142,6 +144,7 @@ def test_state_dict_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> Non
         assert diff <= 1e-6, f"{name}: max abs diff {diff}"
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(ckpt: GGUFCheckpoint, ref_model, ref_tokenizer) -> None:
     # Skip the random init of 135M parameters that load_state_dict overwrites anyway.
     with no_init_weights():
@@ -531,6 +534,7 @@ def test_default_model_path_names_what_is_missing(monkeypatch, tmp_path, install
         default_model_path()
 
 
+@pytest.mark.slow
 def test_default_model_path_does_not_import_the_package() -> None:
     """The GGUF is found through the package's folder: its __init__ (an `llm` plugin importing
     `llm` and llama-cpp-python) never runs, so a machine with the file alone can use it."""

@@ -282,6 +282,7 @@ class StubAttention(nn.Module):
         return 0.5 * q + v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) - k.mean(1, True)
 
 
+@pytest.mark.slow
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])

@@ -593,6 +593,7 @@ HYPOTHESIS = settings(
 )
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(hostile_request())
 def test_invalid_fields_get_a_json_4xx(http: httpx.Client, request: tuple[str, dict]) -> None:

@@ -200,6 +200,7 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
         assert len(set(ref_lengths[:-1])) > 1 and max(ref_lengths) > 4
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless(random_pair) -> None:
     """Thousands of seeded samples of the first tokens agree between speculative and plain
     decoding (two-sample chi-square on the second and third tokens, which come from verify)."""

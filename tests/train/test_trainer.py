@@ -458,6 +458,7 @@ def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_via_cli_lowers_the_loss(setup: dict[str, Path], tmp_path: Path) -> None:
     """`blockdraft train-draft` from raw prompts: regenerates, trains 60 steps, saves, evaluates."""
     out = tmp_path / "drafter"
