@@ -268,6 +268,7 @@ def rope_attention_case(
     return args, cached
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "qk_norm", "num_splits", "query_lens", "causal"),
     [

@@ -40,7 +40,7 @@ def seeds_and_positions(rng: torch.Generator, num_rows: int) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("num_rows", [0, 1, 5])
-@pytest.mark.parametrize("width", [None, 0, 1, 7, 1000, 5000])
+@pytest.mark.parametrize("width", [None, 0, 1, 7, 1000, pytest.param(5000, marks=pytest.mark.slow)])
 def test_hashed_uniform_bit_exact(rng, num_rows: int, width: int | None) -> None:
     seed, pos = seeds_and_positions(rng, num_rows)
     salts = [0, 1, 0x0ACCE9, 2**40 + 0x5E5A3, 2**64 - 1]
@@ -75,7 +75,8 @@ def check_race(
 
 
 @pytest.mark.parametrize("num_rows", [0, 1, 6])
-@pytest.mark.parametrize("vocab", [1, 7, 2048, 5000])  # 5000: three blocks, the last partial
+# 5000: three blocks, the last partial
+@pytest.mark.parametrize("vocab", [1, 7, 2048, pytest.param(5000, marks=pytest.mark.slow)])
 def test_exponential_race(rng, num_rows: int, vocab: int) -> None:
     seed, pos = seeds_and_positions(rng, num_rows)
     probs = torch.rand(num_rows, vocab, generator=rng) ** 4

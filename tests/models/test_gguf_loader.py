@@ -164,6 +164,7 @@ def test_logits_match_transformers(ckpt: GGUFCheckpoint, ref_model, ref_tokenize
     assert paris in ours[0, -1].topk(5).indices.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_matches_transformers(our_tokenizer: Tokenizer, ref_tokenizer, text: str) -> None:
     ids = our_tokenizer.encode(text, add_special_tokens=False).ids
@@ -172,6 +173,7 @@ def test_tokenizer_matches_transformers(our_tokenizer: Tokenizer, ref_tokenizer,
     assert our_tokenizer.decode(ids, skip_special_tokens=False) == ref_tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_special_tokens(ckpt: GGUFCheckpoint, our_tokenizer: Tokenizer, ref_tokenizer) -> None:
     cfg = ckpt.tokenizer_config
     assert cfg["bos_token"] == ref_tokenizer.bos_token == "<|im_start|>"
@@ -189,6 +191,7 @@ def test_special_tokens(ckpt: GGUFCheckpoint, our_tokenizer: Tokenizer, ref_toke
     assert our_tokenizer.decode(ids, skip_special_tokens=True) == "system\nx"
 
 
+@pytest.mark.slow
 def test_chat_template_matches_transformers(ckpt: GGUFCheckpoint, ref_tokenizer) -> None:
     cfg = ckpt.tokenizer_config
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)

@@ -211,6 +211,7 @@ def test_decoder_layers_fused_residual_norm(
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow
 @needs_triton
 def test_decoder_fuses_kv_store_into_rope(rng, monkeypatch, set_policy) -> None:
     """With fuse_kv_store_into_rope, Qwen3 layers on the Triton path (fused q/k/v: strided

@@ -154,6 +154,7 @@ def test_sharegpt_all_turns(tmp_path: Path) -> None:
     assert load_sharegpt_prompts(path) == [[e[0]] for e in expected if len(e) == 1]
 
 
+@pytest.mark.slow
 def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Path) -> None:
     prompts = load_prompts(setup["prompts"])[:10]
     out = tmp_path / "data.jsonl"
@@ -416,6 +417,7 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(setup: dict[str, Path],
     assert saved["eval_acceptance_length"] == result.eval_acceptance_length
 
 
+@pytest.mark.slow
 def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
     """FlexAttention (eager; torch has no CPU backward for it, so forward only) over padded
     lengths gives the dense path's hidden states and loss, on causal sliding and full layers."""
