@@ -169,7 +169,8 @@ def test_decoder_layers_fused_residual_norm(
     rng, monkeypatch, set_policy, backend: str, dtype: torch.dtype
 ) -> None:
     # Only the norms change backend: attention stays on the torch twin, as the interpreter's
-    # bf16 dots are not faithful (the engine test below covers the kernels together, in fp32).
+    # bf16 dots are not faithful (tests/engine/test_llm_engine.py covers the kernels together,
+    # in fp32).
     set_policy(backend="torch")
     if backend == "triton":
         monkeypatch.setattr("blockdraft.layers.norm.get_rms_norm_backend", lambda d: counting)
