@@ -44,10 +44,13 @@ def reference_greedy(target: Path, prompts: list[list[int]], max_tokens: int) ->
     outs = []
     for p in prompts:
         ids = model.generate(
-            torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            torch.tensor([p]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-        outs.append(ids[0, len(p):].tolist())
+        outs.append(ids[0, len(p) :].tolist())
     return outs
 
 

@@ -291,5 +291,3 @@ def test_skinny_linear_rms_norm_errors(rng) -> None:
         skinny_linear(x, w, rms_norm=(randn(rng, 5), 1e-6))
     with pytest.raises(ValueError):  # ... or dtype
         skinny_linear(x, w, rms_norm=(randn(rng, 6, dtype=torch.float16), 1e-6))
-
-

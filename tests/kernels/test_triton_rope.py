@@ -6,7 +6,6 @@ imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the comp
 on the GPU. Shapes stay small: the interpreter costs about half a millisecond per program.
 """
 
-
 import pytest
 import torch
 

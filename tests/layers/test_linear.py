@@ -2,7 +2,6 @@
 `linear`, which routes few-row projections to the skinny GEMM (F.linear on the CPU and under
 autograd)."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F

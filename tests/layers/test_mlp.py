@@ -1,7 +1,6 @@
 """`blockdraft.layers.mlp.MLP` on the Triton backend: the eager expression, and training keeps
 the torch path; SiLU-and-multiply fused into the down projection's skinny GEMM."""
 
-
 import pytest
 import torch
 

@@ -1,7 +1,6 @@
 """`blockdraft.layers.norm.RMSNorm`: bit-identical to the eager norm on the torch path, close on
 the Triton one, and training keeps the torch path."""
 
-
 import pytest
 import torch
 

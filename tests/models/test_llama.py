@@ -2,7 +2,6 @@
 per-step decode logits; its decoder layers fuse the residual adds into the norms and the KV
 store into RoPE, and add + norm into the skinny GEMMs, without changing their outputs."""
 
-
 from pathlib import Path
 
 import pytest

@@ -31,8 +31,9 @@ def random_questions(count: int) -> list[str]:
         "Write a short story about a robot who owns {a} cats.",
     ]
     return [
-        rng.choice(shapes).format(a=rng.randrange(2, 99), b=rng.randrange(2, 99),
-                                  c=rng.randrange(3, 9))
+        rng.choice(shapes).format(
+            a=rng.randrange(2, 99), b=rng.randrange(2, 99), c=rng.randrange(3, 9)
+        )
         for _ in range(count)
     ]
 
