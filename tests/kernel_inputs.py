@@ -1,24 +1,21 @@
 """Inputs and eager references shared by the kernel tests (tests/kernels/) and the layer and
 model tests that switch those kernels on (tests/layers/, tests/models/, tests/engine/).
 
-Triton runs through its interpreter (TRITON_INTERPRET=1, set before triton is imported) on the
-CPU; with TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels on the GPU.
+Triton runs through its interpreter on the CPU (TRITON_INTERPRET=1, which tests/conftest.py sets
+on a machine without a GPU); with TRITON_INTERPRET=0 on a CUDA machine the same tests run the
+compiled kernels on the GPU.
 """
 
-import os
+import math
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from blockdraft.kernels.forward_context import AttentionMetadata  # noqa: E402
-from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
-from blockdraft.layers.rotary import RotaryEmbedding  # noqa: E402
-from blockdraft.models.model_config import TransformerConfig  # noqa: E402
-from blockdraft.runtime.host_batch import build_attention_metadata  # noqa: E402
+from blockdraft.kernels.forward_context import AttentionMetadata
+from blockdraft.kernels.triton_env import triton_interpreting
+from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.models.model_config import TransformerConfig
+from blockdraft.runtime.host_batch import build_attention_metadata
 
 INTERPRETED = triton_interpreting()
 needs_triton = pytest.mark.skipif(

@@ -1,8 +1,9 @@
 """`blockdraft.kernels.select`: the kernel policy's backend picks each kernel or its twin.
 
-Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels
-on the GPU. Shapes stay small: the interpreter costs about half a millisecond per program.
+Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
+on a machine without a GPU). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the
+compiled kernels on the GPU. Shapes stay small: the interpreter costs about half a millisecond
+per program.
 """
 
 import pytest

@@ -2,9 +2,10 @@
 norm + RoPE + KV store inside the kernel) against the torch twin, on fresh random float32
 inputs over scattered pages.
 
-Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
-imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernels
-on the GPU. Shapes stay small: the interpreter costs about half a millisecond per program.
+Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets
+on a machine without a GPU). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the
+compiled kernels on the GPU. Shapes stay small: the interpreter costs about half a millisecond
+per program.
 """
 
 import pytest
