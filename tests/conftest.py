@@ -1,9 +1,11 @@
 import contextlib
 import os
+import random
+import zlib
 from collections.abc import Callable, Iterator
 
 # Triton reads TRITON_INTERPRET when it is first imported, and other modules (torch's FlexAttention
-# and inductor) may import it before tests/test_kernels.py does: on a machine without a GPU the
+# and inductor) may import it before the kernel tests do: on a machine without a GPU the
 # Triton kernels can only run in the interpreter, so turn it on before anything else loads.
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -13,6 +15,8 @@ import torch  # noqa: E402
 
 from blockdraft.kernels.forward_context import use_kernel_policy  # noqa: E402
 from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
+
+from sampling_checks import BASE_SEED, Ctx  # noqa: E402
 
 # Tests check numerics in float32 on the CPU with tiny models, where extra threads only spin:
 # one thread was 15x faster than two on a loaded 2-core machine.
@@ -28,6 +32,12 @@ def rng() -> torch.Generator:
 
 
 @pytest.fixture
+def py_rng(rng: torch.Generator) -> random.Random:
+    """A Python `random.Random` seeded from `rng` (so BLOCKDRAFT_TEST_SEED replays it too)."""
+    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+
+
+@pytest.fixture
 def set_policy() -> Iterator[Callable[..., KernelPolicy]]:
     """`set_policy(**fields)`: kernels follow `KernelPolicy(**fields)` for the rest of the test
     (or until the next call), as the engine's forwards follow its config's."""
@@ -39,3 +49,12 @@ def set_policy() -> Iterator[Callable[..., KernelPolicy]]:
             return policy
 
         yield enter
+
+
+@pytest.fixture
+def ctx(request: pytest.FixtureRequest) -> Ctx:
+    # Mixing in the test id gives each (parametrised) test its own inputs while one
+    # environment variable still replays the whole run.
+    seed = BASE_SEED ^ zlib.crc32(request.node.nodeid.encode())
+    print(f"BLOCKDRAFT_TEST_SEED={BASE_SEED}")
+    return Ctx(torch.Generator().manual_seed(seed), f"[BLOCKDRAFT_TEST_SEED={BASE_SEED}]")

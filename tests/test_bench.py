@@ -44,8 +44,14 @@ def test_missing_package_names_the_install(monkeypatch) -> None:
 def test_bench_reports_acceptance_and_speed(tmp_path: Path, capsys) -> None:
     target = make_predictable_target(tmp_path / "target")
     drafter = make_dflash_drafter(tmp_path / "drafter", target, agree_with_target=True)
-    dflash = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter),
-                                                  "num_speculative_tokens": 15})
+    dflash = LLM(
+        str(target),
+        speculative_config={
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": 15,
+        },
+    )
     ar = LLM(str(target))
     prompts = {"toy": ["w10 w11", "w20 w21 w22"]}
     results = run_bench(ar, dflash, prompts, [0.0], max_tokens=40)

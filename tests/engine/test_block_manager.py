@@ -5,16 +5,10 @@ blocks are reused, and a pool that runs out."""
 import random
 
 import pytest
-import torch
 
 from blockdraft import SamplingParams
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.sequence import Sequence
-
-
-@pytest.fixture
-def py_rng(rng: torch.Generator) -> random.Random:
-    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
 
 
 def make_seq(tokens: list[int]) -> Sequence:
@@ -306,3 +300,34 @@ def test_random_traffic_keeps_the_books(py_rng: random.Random, block_size: int) 
         assert sorted(manager.free_blocks) == [b for b in range(num_blocks) if holders[b] == 0]
         assert {b: k for k, b in manager.cached.items()} == manager.block_key
     assert num_hits > 0  # the traffic did exercise the cache
+
+
+def test_prefix_keys_registered_step_by_step_match_one_shot(py_rng: random.Random) -> None:
+    """Blocks registered one step at a time (a decode) get the same chained keys as blocks
+    registered all at once; a second request with the same tokens then finds all of them."""
+    block_size = 4
+    tokens = [py_rng.randrange(100) for _ in range(61)]
+    manager = BlockManager(64, block_size, enable_prefix_caching=True)
+    seq = make_seq(tokens[:5])
+    for n in range(5, len(tokens) + 1):  # computed tokens grow by one or two per step
+        seq.token_ids = tokens[:n]
+        assert manager.ensure_capacity(seq, n)
+        seq.num_computed_tokens = n - py_rng.randrange(2)
+        manager.register_computed_blocks(seq)
+    incremental = dict(manager.cached)
+
+    one_shot = BlockManager(64, block_size, enable_prefix_caching=True)
+    other = make_seq(tokens)
+    assert one_shot.ensure_capacity(other, len(tokens))
+    other.num_computed_tokens = len(tokens)
+    one_shot.register_computed_blocks(other)
+    assert list(incremental) == list(one_shot.cached)
+
+    again = make_seq(tokens)
+    assert manager.allocate_cached_prefix(again) == (len(tokens) - 1) // block_size * block_size
+    assert again.block_table == seq.block_table[: len(again.block_table)]
+    # ... and keeps chaining from the shared prefix after a recompute.
+    again.num_computed_tokens = len(tokens)
+    assert manager.ensure_capacity(again, len(tokens))
+    manager.register_computed_blocks(again)
+    assert list(manager.cached) == list(incremental)

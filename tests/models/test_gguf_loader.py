@@ -106,6 +106,7 @@ def test_default_model_path() -> None:
     assert os.path.isfile(path)
 
 
+@pytest.mark.slow
 def test_config_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     cfg, ref = ckpt.hf_config, ref_model.config
     assert cfg["architectures"] == ["LlamaForCausalLM"]
@@ -131,6 +132,7 @@ def test_config_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
 
 
+@pytest.mark.slow
 def test_state_dict_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> None:
     ref = ref_model.state_dict()
     # Tied embeddings: transformers lists lm_head.weight as an alias of the embedding.
@@ -142,6 +144,7 @@ def test_state_dict_matches_transformers(ckpt: GGUFCheckpoint, ref_model) -> Non
         assert diff <= 1e-6, f"{name}: max abs diff {diff}"
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(ckpt: GGUFCheckpoint, ref_model, ref_tokenizer) -> None:
     # Skip the random init of 135M parameters that load_state_dict overwrites anyway.
     with no_init_weights():
@@ -161,6 +164,7 @@ def test_logits_match_transformers(ckpt: GGUFCheckpoint, ref_model, ref_tokenize
     assert paris in ours[0, -1].topk(5).indices.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", TEXTS)
 def test_tokenizer_matches_transformers(our_tokenizer: Tokenizer, ref_tokenizer, text: str) -> None:
     ids = our_tokenizer.encode(text, add_special_tokens=False).ids
@@ -169,6 +173,7 @@ def test_tokenizer_matches_transformers(our_tokenizer: Tokenizer, ref_tokenizer,
     assert our_tokenizer.decode(ids, skip_special_tokens=False) == ref_tokenizer.decode(ids)
 
 
+@pytest.mark.slow
 def test_special_tokens(ckpt: GGUFCheckpoint, our_tokenizer: Tokenizer, ref_tokenizer) -> None:
     cfg = ckpt.tokenizer_config
     assert cfg["bos_token"] == ref_tokenizer.bos_token == "<|im_start|>"
@@ -186,6 +191,7 @@ def test_special_tokens(ckpt: GGUFCheckpoint, our_tokenizer: Tokenizer, ref_toke
     assert our_tokenizer.decode(ids, skip_special_tokens=True) == "system\nx"
 
 
+@pytest.mark.slow
 def test_chat_template_matches_transformers(ckpt: GGUFCheckpoint, ref_tokenizer) -> None:
     cfg = ckpt.tokenizer_config
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -531,6 +537,7 @@ def test_default_model_path_names_what_is_missing(monkeypatch, tmp_path, install
         default_model_path()
 
 
+@pytest.mark.slow
 def test_default_model_path_does_not_import_the_package() -> None:
     """The GGUF is found through the package's folder: its __init__ (an `llm` plugin importing
     `llm` and llama-cpp-python) never runs, so a machine with the file alone can use it."""

@@ -41,11 +41,11 @@ def test_padded_replay_equals_eager_forward(pair, rng) -> None:
     token_ids = [torch.randint(4, 128, (q,), generator=rng).tolist() for _ in starts]
     with torch.inference_mode():
         runner.graphs[8][1][0].fill_(float("nan"))  # stale outputs must be overwritten
-        hidden_graph, _ = run_forward(engine.model, {q: runner}, token_ids, starts, tables, 4,
-                                      engine.device)
+        hidden_graph, _ = run_forward(
+            engine.model, {q: runner}, token_ids, starts, tables, 4, engine.device
+        )
         hidden_graph = hidden_graph.clone()
-        hidden_eager, _ = run_forward(engine.model, {}, token_ids, starts, tables, 4,
-                                      engine.device)
+        hidden_eager, _ = run_forward(engine.model, {}, token_ids, starts, tables, 4, engine.device)
     assert hidden_graph.shape == hidden_eager.shape == (num_seqs * q, 64)
     torch.testing.assert_close(hidden_graph, hidden_eager, rtol=1e-5, atol=1e-5)
 
@@ -53,8 +53,11 @@ def test_padded_replay_equals_eager_forward(pair, rng) -> None:
 @pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
 def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) -> None:
     target, drafter = pair
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7} if speculative \
+    spec = (
+        {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 7}
+        if speculative
         else None
+    )
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (2, 7, 12, 20, 5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     plain = LLM(str(target), speculative_config=spec, max_model_len=64)
@@ -155,8 +158,9 @@ def record_drafts(llm: LLM) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
-                                                                  temperature: float) -> None:
+def test_uniform_steps_write_the_context_inside_the_drafter_graph(
+    pair, rng, temperature: float
+) -> None:
     """Steps where every request verifies N and proposes N write the context K/V inside the
     drafter graph (its persistent inputs loaded, no eager write); other steps write it eagerly
     and leave the graph's context slots PAD. Every draft equals the eager engine's (greedy, and
@@ -176,7 +180,7 @@ def test_uniform_steps_write_the_context_inside_the_drafter_graph(pair, rng,
     graphed = LLM(str(target), speculative_config=spec, max_model_len=64, max_num_seqs=4)
     capture_twins(graphed, [1, 2, 4])
     engine = graphed.engine
-    (q, graphed_context), = engine.proposer.graphed_contexts.items()
+    ((q, graphed_context),) = engine.proposer.graphed_contexts.items()
     assert q == engine.proposer.drafter.cfg.block_size
     events: list[str] = []
     load, clear = graphed_context.load, graphed_context.clear
@@ -208,8 +212,12 @@ def test_graphed_context_pads_the_rows_it_is_not_given(pair, rng) -> None:
     from blockdraft.spec_decode.graphed_context import GraphedContext
 
     target, drafter = pair
-    llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)},
-              max_model_len=64, dtype="float32")
+    llm = LLM(
+        str(target),
+        speculative_config={"method": "dflash", "model": str(drafter)},
+        max_model_len=64,
+        dtype="float32",
+    )
     graphed = GraphedContext(llm.engine.proposer.drafter, 16, torch.device("cpu"))
     assert torch.all(graphed.slot_mapping == PAD_SLOT_ID)  # a capture writes nothing
     width = graphed.features.shape[1]

@@ -11,6 +11,8 @@ from blockdraft.kernels.forward_context import forward_context
 from blockdraft.models.gguf_loader import default_model_path, load_gguf
 from blockdraft.runtime.host_batch import build_attention_metadata
 
+pytestmark = pytest.mark.slow  # every test loads the 135M-parameter model
+
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
@@ -34,8 +36,9 @@ def test_logits_match_transformers(llm: LLM) -> None:
     engine = llm.engine
     seq = Sequence("probe", None, ids, SamplingParams(), 0, 1)
     assert engine.block_manager.ensure_capacity(seq, len(ids))
-    meta = build_attention_metadata([seq.block_table], [0], [len(ids)], engine.config.block_size,
-                                    engine.device)
+    meta = build_attention_metadata(
+        [seq.block_table], [0], [len(ids)], engine.config.block_size, engine.device
+    )
     with torch.inference_mode(), forward_context(meta):
         hidden, _ = engine.model(torch.tensor(ids), torch.arange(len(ids)))
     ours = engine.model.compute_logits(hidden)
@@ -44,7 +47,10 @@ def test_logits_match_transformers(llm: LLM) -> None:
 
 
 def test_answers_paris(llm: LLM) -> None:
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended at <|im_end|>

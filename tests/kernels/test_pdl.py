@@ -137,10 +137,12 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_pdl_kernels_compile_for_hopper() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
     if proc.returncode and "ptxas" in proc.stderr.lower() and "not found" in proc.stderr.lower():
         pytest.skip("this Triton has no ptxas to compile with")
     assert proc.returncode == 0, proc.stderr[-3000:]

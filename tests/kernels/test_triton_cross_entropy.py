@@ -74,6 +74,7 @@ def assert_correct_equal(correct, ref, h, w) -> None:
     assert torch.equal(correct[clear], ref[clear])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("rows", "vocab", "hidden", "chunk", "block_v", "dtype"),
     [
@@ -191,7 +192,10 @@ def test_block_loss_picks_path(rng, fused_calls) -> None:
     def loss_of(drafter, fused):
         return run(
             lambda x, _w, y, wt, **kw: drafter_mod.block_loss(drafter, x, y, wt, 8, fused=fused),
-            h, w, labels, weights,
+            h,
+            w,
+            labels,
+            weights,
         )
 
     # auto (the default policy): the twin on the CPU (whatever TRITON_INTERPRET says), the

@@ -8,17 +8,33 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import train_bench
 from blockdraft.train.trainer import TrainConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks import train_bench  # noqa: E402
 
-
+@pytest.mark.slow
 def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
     out = tmp_path / "bench.json"
-    argv = ["train_bench", "--tiny", "--batch-sizes", "2", "--steps", "1", "--warmup", "1",
-            "--anchors", "8", "--prompt-len", "32", "--response-len", "24", "--loss", "both",
-            "--json", str(out)]
+    argv = [
+        "train_bench",
+        "--tiny",
+        "--batch-sizes",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--anchors",
+        "8",
+        "--prompt-len",
+        "32",
+        "--response-len",
+        "24",
+        "--loss",
+        "both",
+        "--json",
+        str(out),
+    ]
     monkeypatch.setattr(sys, "argv", argv)
     train_bench.main()
     report = json.loads(out.read_text())
@@ -27,8 +43,9 @@ def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
     for r in runs.values():
         assert r["batch_size"] == 2 and r["ms_per_step"] > 0 and math.isfinite(r["first_step_loss"])
     # Same seed, same sequences, same random target: the first step's loss is the same math.
-    assert runs["fused"]["first_step_loss"] == pytest.approx(runs["float32"]["first_step_loss"],
-                                                             rel=1e-4)
+    assert runs["fused"]["first_step_loss"] == pytest.approx(
+        runs["float32"]["first_step_loss"], rel=1e-4
+    )
     assert "drafter training step" in capsys.readouterr().out
 
 

@@ -24,8 +24,14 @@ def random_prompts(rng: torch.Generator, lengths: list[int]) -> list[list[int]]:
 
 def summary(out: RequestOutput) -> tuple:
     c = out.outputs[0]
-    return (out.request_id, c.token_ids, c.finish_reason, c.stop_reason, c.text,
-            out.num_cached_tokens)
+    return (
+        out.request_id,
+        c.token_ids,
+        c.finish_reason,
+        c.stop_reason,
+        c.text,
+        out.num_cached_tokens,
+    )
 
 
 def engine_pair(target: Path, **kwargs) -> tuple[LLM, LLM]:
@@ -56,6 +62,7 @@ SETUPS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", list(SETUPS))
 @pytest.mark.parametrize("sampling", ["greedy", "seeded", "eos"])
 def test_generate_equals_sync_engine(target: Path, rng, setup: str, sampling: str) -> None:
@@ -220,11 +227,13 @@ def test_a_cached_block_is_not_evicted_for_a_request_that_stops(target: Path, rn
     results = []
     for llm in engine_pair(target, **setup):
         # 3 blocks, all full and cached when freed: the free list is 5 fresh blocks, then them.
-        first = llm.generate([cached], SamplingParams(temperature=0, max_tokens=5,
-                                                      ignore_eos=True), use_tqdm=False)[0]
+        first = llm.generate(
+            [cached], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False
+        )[0]
         # Takes the 5 fresh blocks and stops at position 20, which would need a sixth.
-        stop = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                              stop_token_ids=[tokens[1]])
+        stop = SamplingParams(
+            temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[tokens[1]]
+        )
         stopped = llm.generate([stopper], stop, use_tqdm=False)[0]
         again = llm.generate([cached + first.outputs[0].token_ids], free, use_tqdm=False)[0]
         results.append([summary(o)[1:] for o in (first, stopped, again)])

@@ -1,5 +1,5 @@
 """The skinny GEMM (`blockdraft.kernels.triton_linear`) against F.linear, on fresh random inputs,
-and `blockdraft.layers.linear.linear`, which routes few-row projections to it.
+with its SiLU-and-multiply and add + RMSNorm prologues.
 
 Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1, set before triton is
 imported). With TRITON_INTERPRET=0 on a CUDA machine the same tests run the compiled kernel on
@@ -17,65 +17,21 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
 
 pytest.importorskip("triton")
 
 from blockdraft.kernels import select  # noqa: E402
 from blockdraft.kernels.linear import skinny_linear_torch  # noqa: E402
-from blockdraft.kernels.triton_env import triton_interpreting  # noqa: E402
 from blockdraft.kernels.triton_linear import (  # noqa: E402
     DEFAULT_CONFIGS,
     SkinnyConfig,
     pick_config,
     skinny_linear,
 )
-from blockdraft.layers import linear as linear_layer  # noqa: E402
-from blockdraft.layers.linear import fuse_projections, linear  # noqa: E402
-from blockdraft.layers.mlp import MLP  # noqa: E402
-from blockdraft.models.llama import DecoderLM  # noqa: E402
-from blockdraft.models.model_config import TransformerConfig  # noqa: E402
 
-INTERPRETED = triton_interpreting()
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip("compiled Triton needs a CUDA device", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+from kernel_inputs import DEVICE, inputs, needs_triton, randn  # noqa: E402
 
-
-def tiny_qwen3_config(num_layers: int) -> TransformerConfig:
-    """A Qwen3-shaped model (q/k norms, GQA 2) small enough for the interpreter."""
-    return TransformerConfig(
-        architecture="qwen3",
-        vocab_size=50,
-        hidden_size=24,
-        intermediate_size=40,
-        num_layers=num_layers,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=12,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position_embeddings=16,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        qk_norm=True,
-    )
-
-
-def randn(rng: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=rng).to(DEVICE, dtype)
-
-
-def inputs(
-    rng: torch.Generator, m: int, n: int, k: int, dtype: torch.dtype, bias: bool, strided: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """x [m, k] (a column slice of a wider matrix when strided: row stride k + 24), W [n, k]
-    scaled to keep outputs O(1), bias [n] or None."""
-    x = randn(rng, m, k + 24, dtype=dtype)[:, 5 : 5 + k] if strided else randn(rng, m, k)
-    x = x.to(dtype)
-    w = (randn(rng, n, k) / math.sqrt(k)).to(dtype)
-    return x, w, randn(rng, n, dtype=dtype) if bias else None
+pytestmark = needs_triton
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -130,6 +86,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"dot{int(c.use_dot)}-split{c.split_k}")
 @pytest.mark.parametrize("m", [1, 3, 16, 19])  # 19: more than one tile of rows
 def test_skinny_linear_paths(rng, cfg: SkinnyConfig, m: int) -> None:
@@ -197,60 +154,6 @@ def test_torch_twin_is_f_linear(rng) -> None:
     assert torch.equal(skinny_linear_torch(x, w, b), F.linear(x, w, b))
 
 
-def test_decoder_linear_is_f_linear_on_cpu_and_under_autograd(rng, monkeypatch, set_policy) -> None:
-    def forbidden(device: torch.device) -> None:
-        raise AssertionError("the skinny GEMM was chosen")
-
-    monkeypatch.setattr(linear_layer, "get_linear_backend", forbidden)
-    set_policy(backend="triton")
-    x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
-    x, w, b = x.cpu(), w.cpu(), b.cpu()
-    # On the CPU: F.linear itself, bit for bit, even with the Triton backend forced.
-    with torch.no_grad():
-        assert torch.equal(linear(x, w, b), F.linear(x, w, b))
-    # Under autograd, on the skinny GEMM's device too: the kernel has no backward.
-    set_policy(backend="triton", skinny_device_type=DEVICE.type)
-    x, w, b = x.to(DEVICE), w.to(DEVICE).requires_grad_(True), b.to(DEVICE)
-    linear(x, w, b).sum().backward()
-    assert w.grad is not None
-
-
-def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
-    """With the device allowed (the interpreter on CPU), an MLP's gate_up and down projections
-    and the LM head go through the skinny GEMM for up to skinny_max_rows rows outside autograd,
-    and through F.linear otherwise."""
-    set_policy(backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=16)
-    calls = []
-
-    def counting(device: torch.device):
-        def run(x, weight, bias, **prologue):  # the default prologues (SiLU·mul into down)
-            calls.append(tuple(weight.shape))
-            return skinny_linear(x, weight, bias, **prologue)
-
-        assert select.get_linear_backend(device) is skinny_linear
-        return run
-
-    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
-    cfg = tiny_qwen3_config(num_layers=1)
-    with torch.device(DEVICE):
-        mlp, lm = MLP(24, 40), DecoderLM(cfg)
-    mlp.fuse_projections()
-    for rows, expect_calls in [(3, 3), (16, 3), (17, 0)]:
-        calls.clear()
-        x = randn(rng, rows, 24)
-        with torch.no_grad():
-            got_mlp, got_logits = mlp(x), lm.compute_logits(x)
-            expected_mlp = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
-            expected_logits = lm.lm_head(x)
-        assert len(calls) == expect_calls
-        torch.testing.assert_close(got_mlp, expected_mlp, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_logits, expected_logits, atol=1e-5, rtol=1e-5)
-    calls.clear()
-    x = randn(rng, 3, 24)
-    lm.compute_logits(x).sum().backward()  # autograd: F.linear
-    assert calls == [] and lm.lm_head.weight.grad is not None
-
-
 # --- SiLU-and-multiply fused into the down projection --------------------------------------------
 
 
@@ -269,6 +172,7 @@ FUSED_CONFIGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     FUSED_CONFIGS,
@@ -312,59 +216,6 @@ def test_skinny_linear_silu_mul_input_errors(rng) -> None:
         skinny_linear(randn(rng, 1, 12), w, silu_mul_input=True)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_mlp_fuses_silu_mul_into_down(rng, monkeypatch, set_policy, fuse: bool) -> None:
-    """With fuse_silu_mul_into_down, an MLP with fused projections runs its down projection
-    on gate_up with the activation in the GEMM's prologue (no activation kernel) for up to
-    silu_mul_prologue_max_rows rows (set here to 16, past the norm prologue's 2: the 16-row
-    tensor-core path too), the unfused output (bit for bit on the row-by-row path); past that
-    (the skinny GEMM, then F.linear past skinny_max_rows), or with the flag off, nothing
-    changes."""
-    policy = dict(
-        backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=20,
-        norm_prologue_max_rows=2, silu_mul_prologue_max_rows=16,
-    )  # fmt: skip
-    calls = []
-
-    def counting(device: torch.device):
-        def run(x, weight, bias, **kwargs):
-            calls.append("fused down" if kwargs.get("silu_mul_input") else "linear")
-            return skinny_linear(x, weight, bias, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
-    with torch.device(DEVICE):
-        mlp = MLP(24, 40)
-    mlp.fuse_projections()
-    silu_mul = mlp._silu_mul
-
-    def counting_silu_mul(device: torch.device):
-        calls.append("activation")
-        return silu_mul(device)
-
-    mlp._silu_mul = counting_silu_mul
-    for rows in [1, 2, 5, 16, 18, 21]:
-        x = randn(rng, rows, 24)
-        with torch.no_grad():
-            set_policy(**policy, fuse_silu_mul_into_down=False)
-            expected = mlp(x)  # gate_up, the activation kernel, down
-            set_policy(**policy, fuse_silu_mul_into_down=fuse)
-            calls.clear()
-            got = mlp(x)
-        unfused = ["linear", "activation", "linear"]
-        if rows > 20:  # F.linear for both projections, the activation between
-            assert calls == ["activation"]
-        elif rows > 16:  # the skinny GEMM, past the prologue's limit
-            assert calls == unfused
-        else:
-            assert calls == (["linear", "fused down"] if fuse else unfused)
-        if fuse and 2 < rows <= 16:  # the fused 16-row tensor-core path: another sum order
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-        else:  # the same path both times, or the row-by-row prologue: bit for bit
-            assert torch.equal(got, expected)
-
-
 # --- residual add + RMSNorm fused into the skinny GEMM ------------------------------------------
 
 
@@ -376,6 +227,7 @@ NORM_CASES = [  # (m, k, n, residual, bias): K odd (37) or long (200: blocks and
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     FUSED_CONFIGS,
@@ -442,66 +294,3 @@ def test_skinny_linear_rms_norm_errors(rng) -> None:
         skinny_linear(x, w, rms_norm=(randn(rng, 5), 1e-6))
     with pytest.raises(ValueError):  # ... or dtype
         skinny_linear(x, w, rms_norm=(randn(rng, 6, dtype=torch.float16), 1e-6))
-
-
-class StubAttention(nn.Module):
-    """A cheap deterministic stand-in for PagedAttention (no KV cache or metadata needed)."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return 0.5 * q + v.repeat_interleave(q.shape[1] // v.shape[1], dim=1) - k.mean(1, True)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
-def test_decoder_fuses_norms_into_skinny(
-    rng, monkeypatch, set_policy, fuse: bool, dtype: torch.dtype
-) -> None:
-    """With fuse_norm_into_skinny, a Qwen3-style model (q/k norms) with fused projections runs
-    each layer's two add + norms in the q/k/v and gate/up GEMMs up to norm_prologue_max_rows rows,
-    bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
-    sum the residual stream); past that, or with the flag off, nothing changes."""
-    # Skinny up to 4 rows, its prologues up to norm_prologue_max_rows (2) only. The stub
-    # below replaces the paged cache, so K/V take the separate store (the stub's no-op).
-    policy = dict(
-        backend="triton", skinny_device_type=DEVICE.type, skinny_max_rows=4,
-        fuse_kv_store_into_rope=False,
-    )  # fmt: skip
-    calls = []
-
-    def counting(device: torch.device):
-        def run(x, weight, bias, **kwargs):
-            calls.append("norm+linear" if "rms_norm" in kwargs else "linear")
-            return skinny_linear(x, weight, bias, **kwargs)
-
-        return run
-
-    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
-    cfg = tiny_qwen3_config(num_layers=3)
-    with torch.device(DEVICE):
-        lm = DecoderLM(cfg)
-    for name, p in lm.named_parameters():
-        p.data = 1 + 0.1 * randn(rng, *p.shape) if "norm" in name else 0.3 * randn(rng, *p.shape)
-    lm = lm.to(dtype).requires_grad_(False)
-    fuse_projections(lm)
-    for layer in lm.model.layers:
-        layer.self_attn.attn = StubAttention()
-    # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
-    # stream so that layer 2 starts afresh.
-    lm.capture_layer_ids = (1,)
-    for rows in [1, 2, 3, 5]:
-        ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
-        positions = torch.arange(rows, device=DEVICE)
-        set_policy(**policy, fuse_norm_into_skinny=False)
-        expected = lm(ids, positions)
-        set_policy(**policy, fuse_norm_into_skinny=fuse)
-        calls.clear()
-        got = lm(ids, positions)
-        if rows > 4:
-            assert calls == []
-        elif rows > 2:  # skinny, without prologues
-            assert calls == ["linear"] * 12
-        elif fuse:  # per layer: norm+qkv, o_proj, norm+gate_up, down
-            assert calls == ["norm+linear", "linear", "norm+linear", "linear"] * 3
-        else:
-            assert calls == ["linear"] * 12
-        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -54,12 +54,12 @@ class Served:
     engine: LLMEngine
 
     def client(self, api_key: str = "none") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0,
-                             timeout=60)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
     def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0,
-                                  timeout=120)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120
+        )
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed by name plus labels, e.g. 'x_total{a="b"}'."""
@@ -124,8 +124,11 @@ def plain(checkpoints: dict[str, Path]) -> Iterator[Served]:
 def spec(checkpoints: dict[str, Path]) -> Iterator[Served]:
     config = EngineConfig(
         model=str(checkpoints["predictable"]),
-        speculative_config={"method": "dflash", "model": str(checkpoints["drafter"]),
-                            "num_speculative_tokens": 15},
+        speculative_config={
+            "method": "dflash",
+            "model": str(checkpoints["drafter"]),
+            "num_speculative_tokens": 15,
+        },
     )
     with serve(LLMEngine(config)) as served:
         yield served
@@ -136,7 +139,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def sse_events(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
 
 
 def assert_error(response: httpx.Response, status: int | None = None) -> dict[str, Any]:
@@ -178,7 +181,11 @@ def test_completion_equals_offline_greedy(plain: Served, offline: LLM) -> None:
     sampled = offline.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].text
     for _ in range(2):
         again = plain.client().completions.create(
-            model=MODEL, prompt=prompt, max_tokens=12, temperature=0.9, seed=7,
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0.9,
+            seed=7,
             extra_body={"top_k": 20},
         )
         assert again.choices[0].text == sampled
@@ -214,16 +221,22 @@ def test_chat_continues_the_final_message(plain: Served, offline: LLM) -> None:
         {"role": "user", "content": "w11 w12 w13"},
         {"role": "assistant", "content": "w21 w22"},
     ]
-    ref = offline.chat(messages, greedy(10), use_tqdm=False, add_generation_prompt=False,
-                       continue_final_message=True)[0]
+    ref = offline.chat(
+        messages,
+        greedy(10),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
     extra = {"add_generation_prompt": False, "continue_final_message": True}
     resp = plain.client().chat.completions.create(
         model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body=extra
     )
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
-    r = httpx.post(f"{plain.url}/v1/chat/completions",
-                   json={"model": MODEL, "messages": messages[:1], **extra})
+    r = httpx.post(
+        f"{plain.url}/v1/chat/completions", json={"model": MODEL, "messages": messages[:1], **extra}
+    )
     assert r.status_code == 400 and "assistant message last" in r.json()["error"]["message"]
 
 
@@ -260,11 +273,21 @@ def test_stream_with_stop_string_never_leaks_the_stop(plain: Served, offline: LL
     prompt = "w9 w99 w19"
     words = offline.generate(prompt, greedy(12), use_tqdm=False)[0].outputs[0].text.split()
     stop = " ".join(words[4:6])  # a two-word stop string in the middle of the greedy text
-    expected = offline.generate(
-        prompt, SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False
-    )[0].outputs[0].text
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-            "stop": [stop], "stream": True}
+    expected = (
+        offline.generate(
+            prompt, SamplingParams(temperature=0, max_tokens=12, stop=stop), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "stop": [stop],
+        "stream": True,
+    }
     with httpx.stream("POST", f"{plain.url}/v1/completions", json=body) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -275,8 +298,13 @@ def test_stream_with_stop_string_never_leaks_the_stop(plain: Served, offline: LL
 
 
 def test_raw_sse_format(plain: Served) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "w5"}], "max_tokens": 3,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "w5"}],
+        "max_tokens": 3,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{plain.url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -286,8 +314,9 @@ def test_raw_sse_format(plain: Served) -> None:
 
 
 def test_64_concurrent_streams_with_hostile_neighbours(plain: Served, offline: LLM) -> None:
-    prompts = [" ".join(f"w{4 + (i * 7 + j * 13) % 120}" for j in range(1 + i % 9))
-               for i in range(64)]
+    prompts = [
+        " ".join(f"w{4 + (i * 7 + j * 13) % 120}" for j in range(1 + i % 9)) for i in range(64)
+    ]
     expected = [o.outputs[0].text for o in offline.generate(prompts, greedy(8), use_tqdm=False)]
     hostile = [
         {"prompt": "w5", "max_tokens": -1},
@@ -320,7 +349,7 @@ def test_64_concurrent_streams_with_hostile_neighbours(plain: Served, offline: L
             worse = [bad(http, b) for b in hostile * 4]
             results = await asyncio.gather(*good, *worse)
         await client.close()
-        return results[: len(good)], results[len(good):]
+        return results[: len(good)], results[len(good) :]
 
     good, statuses = asyncio.run(run())
     assert [text for _, text, _ in good] == expected
@@ -359,8 +388,14 @@ def test_client_disconnect_aborts_and_frees_blocks(
     monkeypatch.setattr(engine, "abort_request", spy)
     before = plain.metrics()['blockdraft:requests_total{finished_reason="abort"}']
     # ~500 tokens: seconds of work, far longer than it takes to notice the client is gone.
-    body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 500, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": MODEL,
+        "prompt": "w5 w6",
+        "max_tokens": 500,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         with httpx.Client(timeout=30) as http:
             with http.stream("POST", f"{plain.url}/v1/completions", json=body) as r:
@@ -391,7 +426,10 @@ def test_spec_decode_meta_info_and_metrics(spec: Served) -> None:
     assert before["blockdraft:spec_decode_num_drafts_total"] == 0
     prompt_ids = [10, 11, 12]
     resp = spec.client().completions.create(
-        model=MODEL, prompt=prompt_ids, max_tokens=40, temperature=0,
+        model=MODEL,
+        prompt=prompt_ids,
+        max_tokens=40,
+        temperature=0,
         extra_body={"return_meta_info": True},
     )
     expected = predictable_continuation(prompt_ids, 40, PRED_VOCAB)
@@ -418,8 +456,14 @@ def test_spec_decode_meta_info_and_metrics(spec: Served) -> None:
     assert after["blockdraft:num_requests_waiting"] == 0
 
     # Streaming carries meta_info on the finishing chunk.
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "w9"}], "max_tokens": 20,
-            "temperature": 0, "stream": True, "return_meta_info": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "w9"}],
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "return_meta_info": True,
+    }
     with httpx.stream("POST", f"{spec.url}/v1/chat/completions", json=body) as r:
         chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert chunks[-1]["meta_info"]["completion_tokens"] == 20
@@ -445,15 +489,20 @@ def test_api_key_and_full_queue(checkpoints: dict[str, Path]) -> None:
 
         # Two slots and no waiting room: of a burst of eight long requests, two run and the
         # rest are turned away at once.
-        body = {"model": MODEL, "prompt": "w5 w6", "max_tokens": 150, "ignore_eos": True,
-                "temperature": 0}
+        body = {
+            "model": MODEL,
+            "prompt": "w5 w6",
+            "max_tokens": 150,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         headers = {"Authorization": "Bearer sekrit"}
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60, headers=headers) as http:
-                return await asyncio.gather(*[
-                    http.post(f"{served.url}/v1/completions", json=body) for _ in range(8)
-                ])
+                return await asyncio.gather(
+                    *[http.post(f"{served.url}/v1/completions", json=body) for _ in range(8)]
+                )
 
         responses = asyncio.run(burst())
         statuses = sorted(r.status_code for r in responses)
@@ -495,7 +544,6 @@ def test_openai_client_errors(plain: Served) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-
 def finite(**bounds: float) -> st.SearchStrategy[float]:
     return st.floats(allow_nan=False, allow_infinity=False, **bounds)  # JSON has neither
 
@@ -503,13 +551,18 @@ def finite(**bounds: float) -> st.SearchStrategy[float]:
 JSON_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), finite(), st.text(max_size=20))
 JSON_VALUES = st.recursive(
     JSON_SCALARS,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                 max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
-NOT_INT = st.one_of(st.text(max_size=5), finite(), st.booleans(),
-                    st.lists(st.integers(), max_size=2), st.dictionaries(st.text(), st.integers(),
-                                                                        max_size=1))
+NOT_INT = st.one_of(
+    st.text(max_size=5),
+    finite(),
+    st.booleans(),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(), st.integers(), max_size=1),
+)
 NOT_NUMBER = st.one_of(st.text(max_size=5), st.booleans(), st.lists(finite(), max_size=2))
 HUGE = st.integers(min_value=2**63, max_value=2**200)
 # For each field, values that are certainly wrong (the type, the range, or the size).
@@ -521,14 +574,21 @@ INVALID_FIELD = {
     "min_p": st.one_of(NOT_NUMBER, finite(max_value=-1e-9), finite(min_value=1.0001)),
     "seed": st.one_of(NOT_INT, HUGE, st.integers(max_value=-(2**63) - 1)),
     "n": st.one_of(NOT_INT, st.integers().filter(lambda n: n != 1)),
-    "stop": st.one_of(st.just(""), st.integers(), st.lists(st.integers(), min_size=1),
-                      st.lists(st.just("w5"), min_size=17, max_size=40),
-                      st.text(min_size=257, max_size=300)),
+    "stop": st.one_of(
+        st.just(""),
+        st.integers(),
+        st.lists(st.integers(), min_size=1),
+        st.lists(st.just("w5"), min_size=17, max_size=40),
+        st.text(min_size=257, max_size=300),
+    ),
     "stream": st.one_of(st.integers(), st.text(max_size=3), st.none()),
     "model": st.one_of(st.integers(), st.text(max_size=10).filter(lambda m: m != MODEL)),
     "prompt": st.one_of(
-        st.just(""), st.just([]), st.just("   "), st.integers(), st.dictionaries(st.text(),
-                                                                                 st.text()),
+        st.just(""),
+        st.just([]),
+        st.just("   "),
+        st.integers(),
+        st.dictionaries(st.text(), st.text()),
         st.lists(st.integers(min_value=VOCAB), min_size=1, max_size=3),
         st.lists(st.integers(max_value=-1), min_size=1, max_size=3),
         st.lists(st.text(min_size=1, max_size=5), min_size=2, max_size=3),
@@ -539,10 +599,21 @@ INVALID_FIELD = {
 }
 INVALID_CHAT_FIELD = {
     "messages": st.one_of(
-        st.just([]), st.text(max_size=5), st.lists(st.integers(), min_size=1, max_size=2),
-        st.lists(st.fixed_dictionaries({"role": st.text(max_size=6).filter(
-            lambda r: r not in ("system", "developer", "user", "assistant", "tool")),
-            "content": st.text(max_size=5)}), min_size=1, max_size=2),
+        st.just([]),
+        st.text(max_size=5),
+        st.lists(st.integers(), min_size=1, max_size=2),
+        st.lists(
+            st.fixed_dictionaries(
+                {
+                    "role": st.text(max_size=6).filter(
+                        lambda r: r not in ("system", "developer", "user", "assistant", "tool")
+                    ),
+                    "content": st.text(max_size=5),
+                }
+            ),
+            min_size=1,
+            max_size=2,
+        ),
         st.just([{"role": "user"}]),
         st.just([{"role": "user", "content": 5}]),
         st.just([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]),
@@ -551,10 +622,23 @@ INVALID_CHAT_FIELD = {
     "logprobs": st.just(True),
     "top_logprobs": st.integers(min_value=1, max_value=5),
 }
-KNOWN_FIELDS = set(INVALID_FIELD) | set(INVALID_CHAT_FIELD) | {
-    "stop_token_ids", "stream_options", "frequency_penalty", "logit_bias", "user",
-    "ignore_eos", "return_meta_info", "echo", "suffix", "best_of", "max_completion_tokens",
-}
+KNOWN_FIELDS = (
+    set(INVALID_FIELD)
+    | set(INVALID_CHAT_FIELD)
+    | {
+        "stop_token_ids",
+        "stream_options",
+        "frequency_penalty",
+        "logit_bias",
+        "user",
+        "ignore_eos",
+        "return_meta_info",
+        "echo",
+        "suffix",
+        "best_of",
+        "max_completion_tokens",
+    }
+)
 
 
 def _valid_body(chat: bool) -> dict[str, Any]:
@@ -593,6 +677,7 @@ HYPOTHESIS = settings(
 )
 
 
+@pytest.mark.slow
 @HYPOTHESIS
 @given(hostile_request())
 def test_invalid_fields_get_a_json_4xx(http: httpx.Client, request: tuple[str, dict]) -> None:
@@ -646,8 +731,10 @@ def test_enormous_and_odd_requests(http: httpx.Client) -> None:
     assert_error(http.get("/v1/completions"), 405)
     assert_error(http.get("/nowhere"), 404)
     # Empty string content is a valid (if pointless) chat turn; the template gives it tokens.
-    ok = http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": ""}], "max_tokens": 2})
+    ok = http.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": ""}], "max_tokens": 2},
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 2
     assert http.get("/health").status_code == 200
 

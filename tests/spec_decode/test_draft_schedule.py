@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dflash import run_counting_readbacks
+from test_dflash_lossless import run_counting_readbacks
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.config import SpeculativeConfig
@@ -250,8 +250,11 @@ def test_requests_joining_mix_draft_counts_and_stay_lossless(
     3, and accepts them). Greedy, the second's output is the target's; sampled (draft
     probabilities sliced too), it runs to its length; every step reads the device back once."""
     target, drafter = pairs["agreeing"]
-    prompts = {"x": random_prompt(target, 3, rng), "y": random_prompt(target, 4, rng),
-               "z": random_prompt(target, 40, rng)}
+    prompts = {
+        "x": random_prompt(target, 3, rng),
+        "y": random_prompt(target, 4, rng),
+        "z": random_prompt(target, 40, rng),
+    }
     params = {
         "x": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
         "y": SamplingParams(temperature=temperature, max_tokens=25, ignore_eos=True, seed=7),

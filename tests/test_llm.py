@@ -134,11 +134,13 @@ def test_seeded_sampling_is_independent_of_batch_mates(llm: LLM, rng) -> None:
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [random_prompt(rng, n) for n in (3, 9, 20)]
     mates = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)] * 3
-    batch = llm.generate(others[:2] + [prompt] + others[2:], mates[:2] + [seeded] + mates[2:],
-                         use_tqdm=False)
+    batch = llm.generate(
+        others[:2] + [prompt] + others[2:], mates[:2] + [seeded] + mates[2:], use_tqdm=False
+    )
     assert batch[2].outputs[0].token_ids == alone
-    other_seed = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=99,
-                                ignore_eos=True)
+    other_seed = SamplingParams(
+        temperature=1.0, top_p=0.95, max_tokens=10, seed=99, ignore_eos=True
+    )
     assert llm.generate([prompt], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
@@ -148,8 +150,11 @@ def test_stop_conditions(llm: LLM, rng) -> None:
     tokens = llm.generate([prompt], free, use_tqdm=False)[0].outputs[0].token_ids
     stop_id = tokens[5]
     first = tokens.index(stop_id)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                stop_token_ids=[stop_id]), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_id]),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].token_ids == tokens[: first + 1]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop_id)
     tok = llm.tokenizer
@@ -157,15 +162,20 @@ def test_stop_conditions(llm: LLM, rng) -> None:
     # Two output tokens' text as the stop string, from the 8th token on: the first pair whose
     # text is in the output (special tokens decode to nothing, so a pair can be empty).
     stop_text = next(
-        text for i in range(7, len(tokens) - 1)
+        text
+        for i in range(7, len(tokens) - 1)
         if (text := tok.decode(tokens[i : i + 2])) and text in full_text
     )
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
-                                                stop=stop_text), use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop_text),
+        use_tqdm=False,
+    )[0]
     assert out.outputs[0].text == full_text[: full_text.index(stop_text)]
     assert out.outputs[0].stop_reason == stop_text
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )[0]
     assert out.outputs[0].token_ids == tokens[:3] and out.outputs[0].finish_reason == "length"
 
 

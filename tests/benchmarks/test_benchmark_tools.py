@@ -43,6 +43,7 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     assert "eager ops per step" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", ["0", "1"])
 def test_small_steps_times_and_splits_the_steps(tmp_path, capsys, temperature: str) -> None:
     import json
@@ -111,6 +112,7 @@ def test_gpu_bench_ablation_rows_are_kernel_policies() -> None:
         dataclasses.replace(KernelPolicy(), **fields)  # raises on an unknown or bad field
 
 
+@pytest.mark.slow
 def test_gpu_bench_part_d_runs_the_shipped_drafter_against_ar(monkeypatch, capsys) -> None:
     """gpu_bench's d.: the default target with its shipped drafter on the installed prompt
     sets (here one set, two prompts, on the CPU), and a clear skip when none is installed."""

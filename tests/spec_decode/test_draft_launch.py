@@ -20,8 +20,12 @@ POISON = 1.0e4  # no K/V the drafter computes comes near it
 def spec(drafter: Path) -> dict:
     # Drafts at every batch size: the CPU's "auto" schedule stops drafting from 4 running
     # requests, and the audit expects every completing chunk to propose.
-    return {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3,
-            "num_speculative_tokens_by_batch": None}
+    return {
+        "method": "dflash",
+        "model": str(drafter),
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_by_batch": None,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,9 @@ def random_questions(count: int) -> list[str]:
         "Write a short story about a robot who owns {a} cats.",
     ]
     return [
-        rng.choice(shapes).format(a=rng.randrange(2, 99), b=rng.randrange(2, 99),
-                                  c=rng.randrange(3, 9))
+        rng.choice(shapes).format(
+            a=rng.randrange(2, 99), b=rng.randrange(2, 99), c=rng.randrange(3, 9)
+        )
         for _ in range(count)
     ]
 
@@ -56,6 +57,7 @@ def target_hf_dir(tmp_path_factory, target_gguf) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_shipped_drafter_fits_the_default_target(target_gguf) -> None:
     path = Path(default_drafter_path())
     assert (path / "model.safetensors").stat().st_size <= 40 * 1024**2
@@ -82,6 +84,7 @@ def test_on_by_default_for_the_default_target_on_the_cpu(tmp_path: Path) -> None
         EngineConfig(speculative_config="fast")
 
 
+@pytest.mark.slow
 def test_lossless_and_accepting() -> None:
     """The default LLM() (the drafter on, 2 drafts a step on the CPU) gives plain decoding's
     tokens and accepts drafts."""
@@ -98,6 +101,7 @@ def test_lossless_and_accepting() -> None:
     assert llm.engine.spec_stats.mean_acceptance_length > 1.15
 
 
+@pytest.mark.slow
 def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
     # z-lab's loop drafts whole blocks: so does the engine with N = block_size - 1.
     llm = LLM(max_model_len=512, speculative_config={**DEFAULT_SPEC, "num_speculative_tokens": 15})

@@ -134,8 +134,11 @@ def test_stops_inside_an_accepted_run(agreeing_pair, rng) -> None:
 
 ZLAB_CASES = {
     "full": {},
-    "sliding": dict(num_layers=3, sliding_window=5,
-                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "sliding": dict(
+        num_layers=3,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    ),
     # features of the last target layer are its final-normed output, as in transformers
     "last-layer-feature": dict(target_layer_ids=[1, 5]),
     # long, varying accepted runs: the agreeing drafter with some deliberately wrong drafts
@@ -146,8 +149,11 @@ ZLAB_CASES = {
 CONFIG_PATCHES = {
     "scaled-and-causal": {
         "is_causal": True,
-        "dflash_config": {"input_embedding_scale": 1.7, "output_multiplier": 0.6,
-                          "final_logit_softcapping": 3.0},
+        "dflash_config": {
+            "input_embedding_scale": 1.7,
+            "output_multiplier": 0.6,
+            "final_logit_softcapping": 3.0,
+        },
     },
 }
 
@@ -163,7 +169,10 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     max_new = 30
     for attempt in range(5):
         drafter = make_dflash_drafter(
-            tmp_path / f"drafter{attempt}", target, block_size=8, seed=seed + attempt,
+            tmp_path / f"drafter{attempt}",
+            target,
+            block_size=8,
+            seed=seed + attempt,
             **ZLAB_CASES[kind],
         )
         ref_tokens, ref_lengths = zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
@@ -200,6 +209,7 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
         assert len(set(ref_lengths[:-1])) > 1 and max(ref_lengths) > 4
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless(random_pair) -> None:
     """Thousands of seeded samples of the first tokens agree between speculative and plain
     decoding (two-sample chi-square on the second and third tokens, which come from verify)."""
@@ -222,8 +232,9 @@ def test_sampling_is_lossless(random_pair) -> None:
         s = [o.outputs[0].token_ids[position] for o in sd]
         values = sorted(set(a) | set(s))
         table = [[a.count(v) for v in values], [s.count(v) for v in values]]
-        table = [[row[i] for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
-                 for row in table]
+        table = [
+            [row[i] for i in range(len(values)) if table[0][i] + table[1][i] >= 5] for row in table
+        ]
         p_value = chi2_contingency(table).pvalue
         assert p_value > 1e-3, (position, table)
 
@@ -236,15 +247,26 @@ def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path, monkeypatch) -> 
 
     from benchmarks.common import write_dummy_drafter
 
-    hf = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 64,
-          "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256}
+    hf = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+    }
     (tmp_path / "target").mkdir()
     (tmp_path / "target" / "config.json").write_text(json.dumps(hf))
     drafter = write_dummy_drafter(tmp_path / "drafter", hf, num_layers=2, with_weights=False)
     rate, n = 0.7, 7
-    llm = LLM(str(tmp_path / "target"), load_format="dummy", speculative_config={
-        **spec(drafter, n), "synthetic_acceptance_rate": rate})
+    llm = LLM(
+        str(tmp_path / "target"),
+        load_format="dummy",
+        speculative_config={**spec(drafter, n), "synthetic_acceptance_rate": rate},
+    )
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     # 48 requests give ~900 verify rows: the standard error of the mean acceptance length is
     # ~0.07, so the 0.35 bound is ~5 standard errors (16 requests made it flaky, ~3).
@@ -264,8 +286,12 @@ def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path, monkeypatch) -> 
         (lambda c: c["dflash_config"].update(sample_from_anchor=True), "DSpark"),
         (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "DFlashDraftModel"),
         (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
-        (lambda c: c.update(layer_types=["sliding_attention", "full_attention"],
-                            sliding_window=None), "sliding_window"),
+        (
+            lambda c: c.update(
+                layer_types=["sliding_attention", "full_attention"], sliding_window=None
+            ),
+            "sliding_window",
+        ),
     ],
 )
 def test_bad_drafters_are_rejected_at_load(random_pair, tmp_path: Path, edit, message) -> None:
@@ -416,8 +442,11 @@ def test_one_host_readback_per_speculative_step(agreeing_pair, monkeypatch, rng)
     gathers = spy_draft_gathers(monkeypatch)
     # Two 8-row verifies fit the budget of 20, a third waits for one of them to finish.
     arrivals = {
-        0: [("g0", prompts[0], greedy[2]), ("g1", prompts[1], greedy[0]),
-            ("s", prompts[2], sampled)],
+        0: [
+            ("g0", prompts[0], greedy[2]),
+            ("g1", prompts[1], greedy[0]),
+            ("s", prompts[2], sampled),
+        ],
         3: [("g2", prompts[3], greedy[1])],
         6: [("g3", prompts[4], greedy[1])],
     }

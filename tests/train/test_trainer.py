@@ -63,15 +63,27 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("train")
     target = make_qwen3_checkpoint(root / "target", seed=0)
     prompts = write_prompts(root / "prompts.jsonl", 40)
-    data = regenerate(prompts, root / "data.jsonl", model=str(target), max_tokens=MAX_TOKENS,
-                      max_prompt_tokens=64, use_tqdm=False)
+    data = regenerate(
+        prompts,
+        root / "data.jsonl",
+        model=str(target),
+        max_tokens=MAX_TOKENS,
+        max_prompt_tokens=64,
+        use_tqdm=False,
+    )
     return {"root": root, "target": target, "prompts": prompts, "data": data}
 
 
 def train_config(setup: dict[str, Path], out: Path, **kw: object) -> TrainConfig:
     args: dict = dict(
-        out_dir=str(out), data=str(setup["data"]), model=str(setup["target"]), batch_size=4,
-        anchors=16, block_size=8, lr=3e-3, use_tqdm=False,
+        out_dir=str(out),
+        data=str(setup["data"]),
+        model=str(setup["target"]),
+        batch_size=4,
+        anchors=16,
+        block_size=8,
+        lr=3e-3,
+        use_tqdm=False,
     )
     args.update(kw)
     return TrainConfig(**args)
@@ -85,8 +97,14 @@ def train_config(setup: dict[str, Path], out: Path, **kw: object) -> TrainConfig
 def test_prompt_formats(tmp_path: Path) -> None:
     chat = tmp_path / "chat.jsonl"
     records = [
-        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "A"},
-                      {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]},
+        {
+            "messages": [
+                {"role": "system", "content": "S"},
+                {"role": "user", "content": "A"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "y"},
+            ]
+        },
         {"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "B"}]},
         {"conversations": [{"from": "gpt", "value": "no human turn"}]},
         {"messages": [{"role": "user", "content": "A"}, {"role": "system", "content": "S"}]},
@@ -111,11 +129,14 @@ def test_prompt_formats(tmp_path: Path) -> None:
 def test_sharegpt_truncated_json(tmp_path: Path) -> None:
     """The PyPI dump is a JSON array cut off mid-record: every whole record is read."""
     convs = [
-        {"id": str(i), "conversations": [
-            {"from": "system", "value": "be nice"},
-            {"from": "human", "value": f"question {i} " + "x" * (50 * i)},
-            {"from": "gpt", "value": "answer"},
-        ]}
+        {
+            "id": str(i),
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": f"question {i} " + "x" * (50 * i)},
+                {"from": "gpt", "value": "answer"},
+            ],
+        }
         for i in range(30)
     ]
     convs[3]["conversations"] = [{"from": "gpt", "value": "only a bot"}]
@@ -154,11 +175,18 @@ def test_sharegpt_all_turns(tmp_path: Path) -> None:
     assert load_sharegpt_prompts(path) == [[e[0]] for e in expected if len(e) == 1]
 
 
+@pytest.mark.slow
 def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Path) -> None:
     prompts = load_prompts(setup["prompts"])[:10]
     out = tmp_path / "data.jsonl"
-    regenerate(prompts[:4], out, model=str(setup["target"]), max_tokens=MAX_TOKENS,
-               max_prompt_tokens=64, use_tqdm=False)
+    regenerate(
+        prompts[:4],
+        out,
+        model=str(setup["target"]),
+        max_tokens=MAX_TOKENS,
+        max_prompt_tokens=64,
+        use_tqdm=False,
+    )
     assert len(load_samples(out)) == 4
     llm = LLM(str(setup["target"]), max_model_len=128)
     # Re-run over all prompts (in batches of 4): only the 6 new ones are generated.
@@ -170,8 +198,9 @@ def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Pa
     for sample, ref in zip(samples, by_chat, strict=True):
         assert sample.loss_start == len(ref.prompt_token_ids)
         assert sample.input_ids == ref.prompt_token_ids + ref.outputs[0].token_ids
-    by_generate = llm.generate([s.input_ids[: s.loss_start] for s in samples], params,
-                               use_tqdm=False)
+    by_generate = llm.generate(
+        [s.input_ids[: s.loss_start] for s in samples], params, use_tqdm=False
+    )
     assert [s.input_ids[s.loss_start :] for s in samples] == [
         o.outputs[0].token_ids for o in by_generate
     ]
@@ -185,16 +214,19 @@ def test_regenerate_matches_llm_and_resumes(setup: dict[str, Path], tmp_path: Pa
     assert [s.input_ids for s in load_samples(one_go)] != [s.input_ids for s in samples[:6]]
 
 
-def test_regenerate_continues_a_final_assistant_message(setup: dict[str, Path],
-                                                       tmp_path: Path) -> None:
+def test_regenerate_continues_a_final_assistant_message(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
     """A prompt chat ending with an assistant message is continued (vLLM's
     continue_final_message): the prompt ids are the template's text up to that message's content,
     with no end-of-turn or generation prompt after it, and the response is what `LLM.chat` gives."""
     rng = random.Random()
     words = lambda n: " ".join(f"w{rng.randrange(7, VOCAB)}" for _ in range(n))  # noqa: E731
     chats = [
-        [{"role": "user", "content": words(rng.randint(2, 6))},
-         {"role": "assistant", "content": words(rng.randint(1, 5))}]
+        [
+            {"role": "user", "content": words(rng.randint(2, 6))},
+            {"role": "assistant", "content": words(rng.randint(1, 5))},
+        ]
         for _ in range(3)
     ]
     llm = LLM(str(setup["target"]), max_model_len=128)
@@ -202,8 +234,13 @@ def test_regenerate_continues_a_final_assistant_message(setup: dict[str, Path],
     out = regenerate(chats, tmp_path / "cont.jsonl", llm=llm, max_tokens=12, use_tqdm=False)
     samples = load_samples(out)
     assert len(samples) == 3
-    ref = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False,
-                   add_generation_prompt=False, continue_final_message=True)
+    ref = llm.chat(
+        chats,
+        SamplingParams(temperature=0.0, max_tokens=12),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     for chat, sample, r in zip(chats, samples, ref, strict=True):
         user, answer = chat[0]["content"], chat[1]["content"]
         # the test template: "w4 {content} w5 " per message, "w6" as the generation prompt
@@ -312,8 +349,9 @@ def build_drafter(
     setup: dict[str, Path], **kw: object
 ) -> tuple[DFlashDrafter, dict, TargetFeatures]:
     """A fresh drafter for the test target, its config.json dict, and its target's features."""
-    target, tokenizer, hf = load_target(str(setup["target"]), torch.float32,
-                                        torch.device("cpu"), 256)
+    target, tokenizer, hf = load_target(
+        str(setup["target"]), torch.float32, torch.device("cpu"), 256
+    )
     cfg = drafter_hf_config(hf, mask_token_id=default_mask_token_id(tokenizer, hf), **kw)
     drafter = DFlashDrafter(DFlashConfig.from_hf(cfg), target, 256)
     init_drafter_weights(drafter, seed=3, std=0.1)  # large weights: a sharp comparison
@@ -346,17 +384,24 @@ def train_logits(
 
 
 @pytest.mark.parametrize("kind", ["full", "sliding"])
-def test_packed_forward_matches_zlab_per_block(setup: dict[str, Path], tmp_path: Path,
-                                               kind: str) -> None:
+def test_packed_forward_matches_zlab_per_block(
+    setup: dict[str, Path], tmp_path: Path, kind: str
+) -> None:
     """Every block of a packed batch gets the logits z-lab's DFlashDraftModel computes for that
     block alone (context = the target's hidden states before its anchor), after a save and a
     load by z-lab; and our load_drafter reproduces the trained module bit for bit."""
     import dflash.model as zlab
 
     b = 6
-    extra = {} if kind == "full" else dict(
-        num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=4,
-        target_layer_ids=[0, 3],
+    extra = (
+        {}
+        if kind == "full"
+        else dict(
+            num_layers=2,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=4,
+            target_layer_ids=[0, 3],
+        )
     )
     drafter, cfg, target_features = build_drafter(setup, block_size=b, **extra)
     out = save_drafter(drafter, cfg, tmp_path / "drafter", torch.float32)
@@ -364,8 +409,7 @@ def test_packed_forward_matches_zlab_per_block(setup: dict[str, Path], tmp_path:
     features = target_features(layout.input_ids, layout.seq_lens)
     ours = train_logits(drafter, layout, features)
 
-    loaded = load_drafter(str(out), target_features.target, 256, torch.float32,
-                          torch.device("cpu"))
+    loaded = load_drafter(str(out), target_features.target, 256, torch.float32, torch.device("cpu"))
     assert torch.equal(train_logits(loaded, layout, features), ours)
 
     hf_target = load_hf_target(setup["target"])
@@ -390,8 +434,9 @@ def test_packed_forward_matches_zlab_per_block(setup: dict[str, Path], tmp_path:
                 row += b
 
 
-def test_engine_and_zlab_agree_on_a_trained_checkpoint(setup: dict[str, Path],
-                                                       tmp_path: Path) -> None:
+def test_engine_and_zlab_agree_on_a_trained_checkpoint(
+    setup: dict[str, Path], tmp_path: Path
+) -> None:
     """A checkpoint written by the trainer: the engine's first draft equals z-lab's, and the
     engine's acceptance length is what the evaluation reports."""
     cfg = train_config(setup, tmp_path / "out", steps=3, eval_holdout=3, eval_max_tokens=12)
@@ -403,9 +448,14 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(setup: dict[str, Path],
     assert config["block_size"] == 8 and config["num_target_layers"] == 4
     prompt = load_samples(setup["data"])[-1].input_ids[:9]
     ref = zlab_first_draft_logits(setup["target"], tmp_path / "out", prompt)
-    llm = LLM(str(setup["target"]),
-              speculative_config={"method": "dflash", "model": str(tmp_path / "out"),
-                                  "num_speculative_tokens": 7})
+    llm = LLM(
+        str(setup["target"]),
+        speculative_config={
+            "method": "dflash",
+            "model": str(tmp_path / "out"),
+            "num_speculative_tokens": 7,
+        },
+    )
     seen: list[torch.Tensor] = []
     original = llm.engine.proposer.drafter.compute_logits
     llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
@@ -416,6 +466,7 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(setup: dict[str, Path],
     assert saved["eval_acceptance_length"] == result.eval_acceptance_length
 
 
+@pytest.mark.slow
 def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
     """FlexAttention (eager; torch has no CPU backward for it, so forward only) over padded
     lengths gives the dense path's hidden states and loss, on causal sliding and full layers."""
@@ -426,7 +477,10 @@ def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
 
     b = 4
     drafter, _, target_features = build_drafter(
-        setup, num_layers=2, block_size=b, layer_types=["sliding_attention", "full_attention"],
+        setup,
+        num_layers=2,
+        block_size=b,
+        layer_types=["sliding_attention", "full_attention"],
         sliding_window=3,
     )
     _, _, layout = packed_case(drafter, b)
@@ -436,8 +490,13 @@ def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
     pad_c, pad_q = 128, 128
     tensors = MaskTensors.from_layout(layout, pad_c, pad_q)
     attend = flex_attend(
-        drafter, {k: build_flex_block_mask(tensors, *k) for k in kinds},
-        layout.num_context, layout.num_queries, pad_c, pad_q, flex_attention,
+        drafter,
+        {k: build_flex_block_mask(tensors, *k) for k in kinds},
+        layout.num_context,
+        layout.num_queries,
+        pad_c,
+        pad_q,
+        flex_attention,
     )
     dense = dense_attend(drafter, {k: build_block_mask(layout, *k) for k in kinds})
     rows = (layout.labels != IGNORE_INDEX).nonzero().squeeze(1)
@@ -458,15 +517,40 @@ def test_flex_attention_matches_dense(setup: dict[str, Path]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_via_cli_lowers_the_loss(setup: dict[str, Path], tmp_path: Path) -> None:
     """`blockdraft train-draft` from raw prompts: regenerates, trains 60 steps, saves, evaluates."""
     out = tmp_path / "drafter"
-    cli_main([
-        "train-draft", "--model", str(setup["target"]), "--data", str(setup["prompts"]),
-        "--out", str(out), "--max-tokens", str(MAX_TOKENS), "--max-prompt-tokens", "64",
-        "--steps", "60", "--batch-size", "4", "--anchors", "16", "--block-size", "8",
-        "--lr", "3e-3", "--eval-holdout", "4", "--eval-max-tokens", "16", "--quiet",
-    ])
+    cli_main(
+        [
+            "train-draft",
+            "--model",
+            str(setup["target"]),
+            "--data",
+            str(setup["prompts"]),
+            "--out",
+            str(out),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--max-prompt-tokens",
+            "64",
+            "--steps",
+            "60",
+            "--batch-size",
+            "4",
+            "--anchors",
+            "16",
+            "--block-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--eval-holdout",
+            "4",
+            "--eval-max-tokens",
+            "16",
+            "--quiet",
+        ]
+    )
     assert [s.input_ids for s in load_samples(out / "data.jsonl")] == [
         s.input_ids for s in load_samples(setup["data"])
     ]
@@ -485,22 +569,25 @@ def test_training_via_cli_lowers_the_loss(setup: dict[str, Path], tmp_path: Path
 def test_resume_continues_from_the_saved_step(setup: dict[str, Path], tmp_path: Path) -> None:
     straight = Trainer(train_config(setup, tmp_path / "a", steps=6, grad_accum=2))
     full = straight.fit()
-    first = Trainer(train_config(setup, tmp_path / "b", steps=6, grad_accum=2, save_every=2,
-                                 stop_after=3))
+    first = Trainer(
+        train_config(setup, tmp_path / "b", steps=6, grad_accum=2, save_every=2, stop_after=3)
+    )
     part = first.fit()
     assert part.step == 3 and [s.step for s in part.history] == [1, 2, 3]
     saved = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())
     assert saved == ["step_000002", "step_000003"]
-    resumed = Trainer(train_config(setup, tmp_path / "b", steps=6, grad_accum=2, save_every=2,
-                                   resume=True))
+    resumed = Trainer(
+        train_config(setup, tmp_path / "b", steps=6, grad_accum=2, save_every=2, resume=True)
+    )
     assert resumed.step == 3
     rest = resumed.fit()
     assert [s.step for s in rest.history] == [4, 5, 6]
     for a, b in zip(full.history[3:], rest.history, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-5)
         assert a.lr == pytest.approx(b.lr, rel=1e-9)
-    for (name, p), q in zip(straight.drafter.named_parameters(), resumed.drafter.parameters(),
-                            strict=True):
+    for (name, p), q in zip(
+        straight.drafter.named_parameters(), resumed.drafter.parameters(), strict=True
+    ):
         assert torch.allclose(p, q, atol=1e-6), name
 
 
@@ -524,16 +611,20 @@ def test_time_limit_stops_with_a_resumable_checkpoint(
     assert (tmp_path / "model.safetensors").is_file()
 
 
-def test_grown_drafter_starts_as_the_trained_one(setup: dict[str, Path], tmp_path: Path,
-                                                 rng) -> None:
+def test_grown_drafter_starts_as_the_trained_one(
+    setup: dict[str, Path], tmp_path: Path, rng
+) -> None:
     """--grow-layers: the trained layers are loaded, the added ones start as the identity
     (zero output projections, other weights random), so the deeper drafter's logits equal the
     trained drafter's; the target layers stay pinned; it trains and saves as a z-lab
     checkpoint with the new depth."""
     small = Trainer(train_config(setup, tmp_path / "small", steps=2, num_layers=2))
     small.fit()
-    grown = Trainer(train_config(setup, tmp_path / "grown", steps=2, init_drafter=str(
-        tmp_path / "small"), grow_layers=2))
+    grown = Trainer(
+        train_config(
+            setup, tmp_path / "grown", steps=2, init_drafter=str(tmp_path / "small"), grow_layers=2
+        )
+    )
     params = dict(grown.drafter.named_parameters())
     assert grown.dcfg.body.num_layers == 4
     assert grown.dcfg.target_layer_ids == small.dcfg.target_layer_ids
@@ -558,8 +649,9 @@ def test_grown_drafter_starts_as_the_trained_one(setup: dict[str, Path], tmp_pat
     saved = json.loads((tmp_path / "grown" / "config.json").read_text())
     assert saved["num_hidden_layers"] == 4 and len(saved["layer_types"]) == 4
     assert saved["dflash_config"]["target_layer_ids"] == list(small.dcfg.target_layer_ids)
-    loaded = load_drafter(str(tmp_path / "grown"), grown.target, 256, torch.float32,
-                          torch.device("cpu"))
+    loaded = load_drafter(
+        str(tmp_path / "grown"), grown.target, 256, torch.float32, torch.device("cpu")
+    )
     assert loaded.layers[3].self_attn.o_proj.weight.abs().sum() > 0  # it trained
     with pytest.raises(ValueError, match="grow_layers"):
         train_config(setup, tmp_path / "bad", grow_layers=1)
