@@ -8,6 +8,7 @@ LLM(TARGET, speculative_config={"method": "dflash", "model": "drafter"})
 """
 
 from blockdraft.train.blocks import build_block_mask, pack_blocks, sample_anchors
+from blockdraft.train.config import StepStats, TrainConfig, TrainResult
 from blockdraft.train.data import (
     Sample,
     load_prompts,
@@ -17,7 +18,7 @@ from blockdraft.train.data import (
     regenerate,
 )
 from blockdraft.train.evaluate import block_acceptance_length, evaluate_acceptance
-from blockdraft.train.trainer import StepStats, TrainConfig, TrainResult, train_drafter
+from blockdraft.train.trainer import train_drafter
 
 __all__ = [
     "Sample",

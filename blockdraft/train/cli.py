@@ -124,7 +124,8 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_train_draft(args: argparse.Namespace) -> None:
-    from blockdraft.train.trainer import TrainConfig, train_drafter
+    from blockdraft.train.config import TrainConfig
+    from blockdraft.train.trainer import train_drafter
 
     if args.eval_every and not (args.eval_holdout or args.eval_prompts):
         raise ValueError(

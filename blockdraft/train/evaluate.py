@@ -40,7 +40,9 @@ def evaluate_acceptance(
     # The drafter's full N at every batch size ("auto" would draft fewer, or none on the CPU,
     # at large batches): this measures the drafter, not a serving schedule.
     spec: dict = {
-        "method": "dflash", "model": str(drafter_dir), "num_speculative_tokens_by_batch": None
+        "method": "dflash",
+        "model": str(drafter_dir),
+        "num_speculative_tokens_by_batch": None,
     }
     if num_speculative_tokens:
         spec["num_speculative_tokens"] = num_speculative_tokens

@@ -14,6 +14,10 @@ Per micro-batch of regenerated sequences:
 AdamW, cosine schedule with warm-up, gradient clipping, bf16 autocast on GPU. Checkpoints
 (`checkpoints/step_N/`) are loadable drafters and carry the optimizer, scheduler, step and RNG
 state for `resume`; the final drafter goes to `out_dir`.
+
+This file is the `Trainer` (setup, one optimizer step, the loop with its checkpoints and
+evaluations); the run's settings and reports are in `config.py`, the data order in
+`schedule.py`, the checkpoint state in `checkpoint.py`.
 """
 
 from __future__ import annotations
@@ -21,22 +25,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.config import (
-    check_device_available,
-    check_drafter_path,
-    check_model_path,
-    resolve_device,
-)
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.train.blocks import (
@@ -46,9 +42,17 @@ from blockdraft.train.blocks import (
     build_block_mask,
     build_flex_block_mask,
     pack_blocks,
-    sample_anchors,
     to_device,
 )
+from blockdraft.train.checkpoint import (
+    OUTPUT_PROJECTIONS,
+    STATE_FILE,
+    checkpoint_dirs,
+    grow_drafter_config,
+    rng_state,
+    set_rng_state,
+)
+from blockdraft.train.config import StepStats, TrainConfig, TrainResult
 from blockdraft.train.data import (
     Sample,
     is_sample_file,
@@ -61,7 +65,6 @@ from blockdraft.train.drafter import (
     Attend,
     TargetFeatures,
     block_loss,
-    check_fused_loss_device,
     default_mask_token_id,
     dense_attend,
     drafter_hf_config,
@@ -73,208 +76,7 @@ from blockdraft.train.drafter import (
     trainable_parameters,
 )
 from blockdraft.train.evaluate import block_acceptance_length, evaluate_acceptance
-
-# Loss decay per block size from the DFlash paper; other sizes scale with the block.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-STATE_FILE = "trainer_state.pt"
-
-
-@dataclass
-class TrainConfig:
-    out_dir: str
-    data: str  # prompt file (regenerated first, into out_dir/data.jsonl) or a regenerated shard
-    model: str | None = None  # target; None: the embedded SmolLM2-135M-Instruct
-    load_format: str = "auto"  # "dummy": random target weights from config.json (benchmarks)
-    # drafter shape (a fresh drafter; or start from `init_drafter`, a z-lab checkpoint)
-    num_layers: int = 1
-    block_size: int = 16
-    mask_token_id: int | None = None  # None: an unused special token of the target
-    target_layer_ids: list[int] | None = None  # None: z-lab's default rule
-    num_target_features: int | None = None  # number of default target layers (None: num_layers)
-    init_drafter: str | None = None
-    # layers added on top of `init_drafter`'s, each starting as the identity (its attention and
-    # MLP output projections zero): a deeper drafter that begins where the trained one is
-    grow_layers: int = 0
-    # regeneration (when `data` holds prompts)
-    num_prompts: int | None = None
-    regen_max_tokens: int = 512
-    max_prompt_tokens: int = 1024
-    regen_temperature: float = 0.0
-    regen_batch_size: int = 1024  # prompts per engine call (and per resumable chunk)
-    regen_max_num_seqs: int = 1024
-    # optimisation
-    steps: int | None = None  # optimizer steps; None: `epochs` over the data
-    epochs: float = 1.0
-    batch_size: int = 8  # sequences per micro-batch
-    grad_accum: int = 1
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    anchors: int = 512  # blocks per sequence (fewer when the response is shorter)
-    loss_gamma: float | None = None  # None: 7 for B=16 (DEFAULT_GAMMA)
-    max_seq_len: int = 2048  # longer sequences are cut
-    seed: int = 0
-    # runtime
-    device: str = "auto"
-    attention: str = "auto"  # "dense" | "flex" | "auto" (flex on GPU, dense on CPU)
-    compile: bool | None = None  # compile FlexAttention (None: on GPU)
-    loss_chunk_rows: int = 8192
-    # LM head + cross-entropy fused in a Triton kernel over bf16 logits (no float32 copy, no
-    # recompute); None: on CUDA. Only for a plain linear head (else the float32 path). On the
-    # H200 a step at batch 16 took 108 ms instead of 207 (benchmarks/train_bench.py).
-    fused_loss: bool | None = None
-    save_every: int = 0  # steps between checkpoints (0: only at the end)
-    keep_checkpoints: int = 2
-    resume: bool = False
-    stop_after: int | None = None  # stop (with a checkpoint) at this step, to resume later
-    # Wall-clock budget of the whole run (regeneration included): training stops, with a
-    # resumable checkpoint, once it is spent. For jobs with a fixed time slot.
-    time_limit_s: float | None = None
-    save_dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
-    # held-out evaluation of the engine's acceptance length
-    eval_holdout: int = 0  # regenerated samples kept out of training, their prompts evaluated
-    eval_prompts: str | None = None  # or a prompt file
-    eval_num_prompts: int = 64
-    eval_max_tokens: int = 256
-    eval_every: int = 0  # steps between evaluations (0: only at the end)
-    use_tqdm: bool = True
-
-    def __post_init__(self) -> None:
-        self.device = resolve_device(self.device)
-        check_device_available(self.device)
-        # Paths fail now, not after regeneration or training.
-        if self.model is not None:
-            check_model_path(self.model)
-        if self.init_drafter is not None:
-            check_drafter_path(self.init_drafter)
-        if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
-            raise ValueError(f"eval prompt file {self.eval_prompts} does not exist")
-        if self.attention == "auto":
-            self.attention = "flex" if self.device.startswith("cuda") else "dense"
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.attention not in ("dense", "flex"):
-            raise ValueError(f"attention must be dense, flex or auto, got {self.attention!r}")
-        if self.attention == "flex" and not self.device.startswith("cuda"):
-            # torch's FlexAttention has no CPU backward (forward only: see Trainer.batch_loss).
-            raise ValueError("attention='flex' trains on the GPU only; use 'dense' on the CPU")
-        if self.compile is None:
-            self.compile = self.attention == "flex" and self.device.startswith("cuda")
-        for name in ("num_layers", "batch_size", "grad_accum", "anchors", "max_seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.block_size < 2:
-            raise ValueError("block_size must be at least 2")
-        if self.grow_layers < 0 or (self.grow_layers and not self.init_drafter):
-            raise ValueError("grow_layers must be >= 0 and needs init_drafter")
-        if self.steps is not None and self.steps < 1:
-            raise ValueError("steps must be positive")
-        if self.fused_loss:
-            check_fused_loss_device(self.device)
-        if self.loss_gamma is None:
-            self.loss_gamma = DEFAULT_GAMMA.get(self.block_size, 7.0 * self.block_size / 16)
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.torch_device.type == "cuda"
-
-
-@dataclass
-class StepStats:
-    step: int
-    loss: float
-    accuracy: list[float]  # per block offset 1..B-1
-    acceptance_length: float  # block_acceptance_length(accuracy)
-    lr: float
-    seconds: float
-
-
-@dataclass
-class TrainResult:
-    out_dir: Path
-    step: int
-    history: list[StepStats] = field(default_factory=list)
-    eval_acceptance_length: float | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# Data order
-# ---------------------------------------------------------------------------------------------
-
-
-class BatchSchedule:
-    """Which samples and anchors micro-batch m uses: a pure function of (seed, m), so a resumed
-    run sees exactly the batches the uninterrupted run would have seen. Each epoch is a fresh
-    permutation, and every visit of a sequence draws fresh anchors."""
-
-    def __init__(self, samples: list[Sample], cfg: TrainConfig) -> None:
-        self.samples, self.cfg = samples, cfg
-        self._perms: dict[int, torch.Tensor] = {}
-
-    def _perm(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._perms:
-            g = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + epoch)
-            self._perms = {epoch: torch.randperm(len(self.samples), generator=g)}
-        return self._perms[epoch]
-
-    def micro_batch(self, m: int) -> tuple[list[Sample], list[torch.Tensor]]:
-        n, bs = len(self.samples), self.cfg.batch_size
-        chosen, anchors = [], []
-        for i in range(m * bs, (m + 1) * bs):
-            epoch, idx = divmod(i, n)
-            sample = self.samples[int(self._perm(epoch)[idx])]
-            seed = ((self.cfg.seed * 1_000_003 + epoch) * 1_000_033 + idx) % 2**62
-            g = torch.Generator().manual_seed(seed)
-            chosen.append(sample)
-            anchors.append(
-                sample_anchors(len(sample.input_ids), sample.loss_start, self.cfg.anchors, g)
-            )
-        return chosen, anchors
-
-
-def prepare_samples(samples: list[Sample], max_seq_len: int) -> list[Sample]:
-    """Cuts sequences to max_seq_len and drops those left without an anchor."""
-    out = []
-    for s in samples:
-        ids = s.input_ids[:max_seq_len]
-        if len(ids) - s.loss_start >= 2:
-            out.append(Sample(ids, s.loss_start, s.key))
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-
-def _checkpoint_dirs(out_dir: Path) -> list[Path]:
-    root = out_dir / "checkpoints"
-    found = [p for p in root.glob("step_*") if (p / STATE_FILE).is_file()] if root.is_dir() else []
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------
+from blockdraft.train.schedule import BatchSchedule, prepare_samples
 
 
 class Trainer:
@@ -408,7 +210,7 @@ class Trainer:
                     p.zero_()
 
     def _resume(self) -> None:
-        found = _checkpoint_dirs(self.out_dir)
+        found = checkpoint_dirs(self.out_dir)
         if not found:
             return  # nothing saved yet: a fresh start
         # On the CPU: the RNG states must stay CPU byte tensors; the optimizer moves its own state.
@@ -422,7 +224,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
     # -- one step ---------------------------------------------------------------------------
     def _attend(self, layout: BlockLayout, attention: str) -> Attend:
@@ -532,13 +334,13 @@ class Trainer:
             },
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_state(),
+            "rng": rng_state(),
             "train_config": dataclasses.asdict(self.cfg),
         }
         tmp = path / (STATE_FILE + ".tmp")
         torch.save(state, tmp)
         tmp.replace(path / STATE_FILE)  # the state file marks a complete checkpoint
-        for old in _checkpoint_dirs(self.out_dir)[: -self.cfg.keep_checkpoints]:
+        for old in checkpoint_dirs(self.out_dir)[: -self.cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -595,7 +397,7 @@ class Trainer:
             log.close()
         result.step = self.step
         if self.step < self.total_steps:  # stopped early on purpose: leave a resumable state
-            if not _checkpoint_dirs(self.out_dir) or _checkpoint_dirs(self.out_dir)[-1].name != (
+            if not checkpoint_dirs(self.out_dir) or checkpoint_dirs(self.out_dir)[-1].name != (
                 f"step_{self.step:06d}"
             ):
                 self.save_checkpoint()
@@ -608,28 +410,6 @@ class Trainer:
             summary = {"step": self.step, "eval_acceptance_length": result.eval_acceptance_length}
             (self.out_dir / "eval.json").write_text(json.dumps(summary) + "\n")
         return result
-
-
-# A layer whose residual branches end in zeros adds nothing to the stream: the identity.
-OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def grow_drafter_config(hf: dict, grow_layers: int) -> dict:
-    """`hf` (a drafter's config.json) with `grow_layers` more layers, each of the last layer's
-    attention type; the target layers it reads are pinned (z-lab's default rule depends on the
-    layer count)."""
-    if not grow_layers:
-        return hf
-    layer_ids = list(DFlashConfig.from_hf(hf).target_layer_ids)
-    hf = dict(hf)
-    hf["dflash_config"] = {**hf.get("dflash_config", {}), "target_layer_ids": layer_ids}
-    n = hf["num_hidden_layers"]
-    hf["num_hidden_layers"] = n + grow_layers
-    if hf.get("layer_types"):
-        hf["layer_types"] = list(hf["layer_types"]) + [hf["layer_types"][-1]] * grow_layers
-    if hf.get("max_window_layers") == n:
-        hf["max_window_layers"] = n + grow_layers
-    return hf
 
 
 def train_drafter(cfg: TrainConfig) -> TrainResult:
