@@ -1,0 +1,228 @@
+"""Draft length chosen each step from how well the drafter is doing ("auto").
+
+A step that drafts N tokens per request commits, for a request whose drafts are each accepted
+with probability alpha (independently, the first rejection ending the run), on average
+E(alpha, N) = 1 + alpha + ... + alpha^N = (1 - alpha^(N+1)) / (1 - alpha) tokens at its next
+verify, and costs cost(b, N) seconds for a batch of b. The chooser picks, among the N the
+draft schedule allows at this batch size (0 included), the one that maximises the batch's
+expected tokens per second, sum_i E(alpha_i, N) / cost(b, N). N stays one value per step: the
+verify and the drafter's block are uniform (one CUDA graph per 1+N).
+
+- alpha per request (`AcceptanceEstimate`): the maximum-likelihood estimate of a truncated
+  geometric run, accepted / (accepted + rejections), over its verifies with exponential decay,
+  pulled towards the drafter's running engine-wide estimate (the prior of a request that has
+  not been verified yet). accepted / drafted would underestimate alpha: a run stopped by a
+  rejection says nothing about the drafts after it.
+- cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
+  verifies N and proposes N; no prefill), an EMA per (power-of-two batch bucket, N). An N not
+  measured yet at a bucket is scaled from the measured ones by the analytic prior
+  1 + drafter_overhead + per_row * b * N (in decode steps). Plain decode (N = 0) is measured
+  for a few steps the first time a bucket is met, so the comparison with speculation rests on
+  this machine's times, not on the prior.
+- probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
+  one step every `probe_interval` steps; the interval doubles after each probe that leaves the
+  batch at 0 (the probe's cost shrinks when the text stays unpredictable) and resets once
+  drafting pays again.
+
+Everything here runs on the host each step over plain floats: no tensor, no device sync.
+The choice lags the readback by one step (drafts are proposed before the step's tokens are
+read back), and any N is lossless: the verify takes whatever the drafter proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
+
+# alpha is looked up on this grid (ALPHA_BINS + 1 values in [0, 1]) so a step sums a table.
+ALPHA_BINS = 64
+# Per-request decay of the accepted / rejected counts at each verify (~5 verifies of memory).
+REQUEST_DECAY = 0.8
+# The engine-wide estimate's decay per verify, and its starting point: a fresh drafter is
+# trusted enough to be tried (its first verifies then set the prior).
+PRIOR_DECAY = 0.99
+INITIAL_ALPHA = 0.6
+INITIAL_PRIOR_WEIGHT = 10.0
+# Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects).
+PRIOR_WEIGHT = 2.0
+# Step-time EMA: the newest step's weight; a step above CLIP x the estimate counts as CLIP x
+# (a page fault, a compile or a noisy neighbour must not swing the choice for long).
+COST_EMA = 0.1
+CLIP = 3.0
+# Plain-decode steps timed the first time a batch bucket is met (the first one after a change
+# of N is not uniform, so this times CALIBRATION_STEPS - 1).
+CALIBRATION_STEPS = 3
+PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 128
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """cost(b, N) / decode(b) before any step is timed: 1 + drafter_overhead * (N > 0) +
+    per_row * b * N. On the CPU every verify row costs compute (SmolLM2-135M on 2 cores: N = 1 /
+    2 / 15 ran at 1.42 / 1.66 / 4.95 decode steps with its drafter); on an H200 the verify rows
+    are nearly free at small batches (Qwen3-8B: a 16-row DFlash step 1.42 decode steps at batch
+    1, ~3.4 at 32 requests)."""
+
+    drafter_overhead: float
+    per_row: float
+
+    @classmethod
+    def for_device(cls, device_type: str) -> CostPrior:
+        if device_type == "cuda":
+            return cls(drafter_overhead=0.35, per_row=0.005)
+        return cls(drafter_overhead=0.2, per_row=0.25)
+
+    def __call__(self, batch: int, num_drafts: int) -> float:
+        if not num_drafts:
+            return 1.0
+        return 1.0 + self.drafter_overhead + self.per_row * batch * num_drafts
+
+
+class StepCostModel:
+    """Seconds per uniform step by (batch bucket, N): measured where the engine has run such
+    steps, else the prior scaled by the bucket's measured decode-step unit."""
+
+    def __init__(self, prior: CostPrior) -> None:
+        self.prior = prior
+        self.measured: dict[tuple[int, int], float] = {}  # (bucket, N) -> seconds
+        self.unit: dict[int, float] = {}  # bucket -> seconds per prior unit (a decode step)
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Power-of-two buckets: 1, 2-3, 4-7, 8-15, ..."""
+        return batch.bit_length()
+
+    def record(self, batch: int, num_drafts: int, seconds: float) -> None:
+        bucket = self.bucket(batch)
+        key = (bucket, num_drafts)
+        old = self.measured.get(key)
+        new = seconds if old is None else old + COST_EMA * (min(seconds, CLIP * old) - old)
+        self.measured[key] = new
+        unit = new / self.prior(batch, num_drafts)
+        old_unit = self.unit.get(bucket)
+        self.unit[bucket] = unit if old_unit is None else old_unit + COST_EMA * (unit - old_unit)
+
+    def has(self, batch: int, num_drafts: int) -> bool:
+        return (self.bucket(batch), num_drafts) in self.measured
+
+    def cost(self, batch: int, num_drafts: int) -> float:
+        bucket = self.bucket(batch)
+        measured = self.measured.get((bucket, num_drafts))
+        if measured is not None:
+            return measured
+        return self.unit.get(bucket, 1.0) * self.prior(batch, num_drafts)
+
+
+class AcceptanceEstimate:
+    """One request's decayed counts of accepted drafts and of rejections (a verify that stopped
+    before its last draft), and its alpha on the ALPHA_BINS grid (-1: never verified)."""
+
+    __slots__ = ("accepted", "rejected", "alpha_bin")
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.rejected = 0.0
+        self.alpha_bin = -1
+
+
+def expected_tokens(alpha: float, num_drafts: int) -> float:
+    """Tokens a verify of N i.i.d. drafts commits on average (accepted drafts + 1)."""
+    if alpha >= 1.0:
+        return num_drafts + 1.0
+    return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class DraftLengthChooser:
+    """N per step for an engine; `choose` before each step's drafts are proposed, `observe`
+    for each verify read back, `record_step` with each uniform step's wall time."""
+
+    schedule: DraftSchedule
+    costs: StepCostModel
+    probe_interval: int = PROBE_INTERVAL
+    # The drafter's engine-wide decayed counts: the prior of every request's alpha.
+    prior_accepted: float = INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT
+    prior_rejected: float = (1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT
+    steps_since_drafting: int = 0
+    calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
+    # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
+    expected: list[list[float]] = field(init=False)
+    allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        top = max(self.schedule.all_num_drafts)
+        self.expected = [
+            [expected_tokens(b / ALPHA_BINS, n) for n in range(top + 1)]
+            for b in range(ALPHA_BINS + 1)
+        ]
+        self.allowed_by_cap = {
+            cap: self.schedule.allowed(cap) for cap in set(self.schedule.num_drafts_at)
+        }
+
+    @classmethod
+    def for_device(cls, schedule: DraftSchedule, device_type: str) -> DraftLengthChooser:
+        return cls(schedule, StepCostModel(CostPrior.for_device(device_type)))
+
+    @property
+    def prior_alpha(self) -> float:
+        return self.prior_accepted / (self.prior_accepted + self.prior_rejected)
+
+    def observe(self, estimate: AcceptanceEstimate, num_accepted: int, num_drafts: int) -> None:
+        """A verify of `num_drafts` drafts accepted `num_accepted` of them."""
+        rejected = 1.0 if num_accepted < num_drafts else 0.0
+        estimate.accepted = REQUEST_DECAY * estimate.accepted + num_accepted
+        estimate.rejected = REQUEST_DECAY * estimate.rejected + rejected
+        self.prior_accepted = PRIOR_DECAY * self.prior_accepted + num_accepted
+        self.prior_rejected = PRIOR_DECAY * self.prior_rejected + rejected
+        alpha = (estimate.accepted + PRIOR_WEIGHT * self.prior_alpha) / (
+            estimate.accepted + estimate.rejected + PRIOR_WEIGHT
+        )
+        estimate.alpha_bin = round(alpha * ALPHA_BINS)
+
+    def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
+        """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
+        self.costs.record(batch, num_drafts, seconds)
+
+    def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
+        """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
+        cap = self.schedule.num_drafts(batch)
+        allowed = self.allowed_by_cap[cap]
+        if len(allowed) == 1:
+            return allowed[0]
+        if self._calibrating(batch):
+            return 0
+        prior_bin = round(self.prior_alpha * ALPHA_BINS)
+        counts: dict[int, int] = {}
+        for e in estimates:
+            b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
+            counts[b] = counts.get(b, 0) + 1
+        best, best_rate = 0, 0.0
+        for n in allowed:
+            tokens = sum(c * self.expected[b][n] for b, c in counts.items())
+            rate = tokens / self.costs.cost(batch, n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best:
+            self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
+            return best
+        self.steps_since_drafting += 1
+        if self.steps_since_drafting < self.probe_interval:
+            return 0
+        self.steps_since_drafting = 0
+        self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        return allowed[1]  # a probe: the smallest N that drafts
+
+    def _calibrating(self, batch: int) -> bool:
+        """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met
+        for the first time."""
+        if self.costs.has(batch, 0):
+            return False
+        bucket = StepCostModel.bucket(batch)
+        left = self.calibrating.get(bucket, CALIBRATION_STEPS)
+        if left <= 0:  # its steps were not uniform (prefills): leave it to the prior
+            return False
+        self.calibrating[bucket] = left - 1
+        return True
