@@ -20,9 +20,11 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   for a few steps the first time a bucket is met, so the comparison with speculation rests on
   this machine's times, not on the prior.
 - probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
-  one step every `probe_interval` steps; the interval doubles after each probe that leaves the
-  batch at 0 (the probe's cost shrinks when the text stays unpredictable) and resets once
-  drafting pays again.
+  one step every `probe_interval` steps. The interval doubles at each probe that finds the
+  batch's mean alpha no higher than its lowest since the previous probe (text that stays
+  unpredictable pays ever less for probes), and returns to PROBE_INTERVAL when it rose (a
+  request becoming predictable needs a few probes to lift its estimate) or once drafting pays
+  again.
 
 Everything here runs on the host each step over plain floats: no tensor, no device sync.
 The choice lags the readback by one step (drafts are proposed before the step's tokens are
@@ -147,6 +149,8 @@ class DraftLengthChooser:
     prior_accepted: float = INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT
     prior_rejected: float = (1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT
     steps_since_drafting: int = 0
+    # The batch's lowest mean alpha bin since the last probe (-1: no probe yet).
+    alpha_bin_since_probe: float = -1.0
     calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
     # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
     expected: list[list[float]] = field(init=False)
@@ -209,10 +213,15 @@ class DraftLengthChooser:
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
             return best
         self.steps_since_drafting += 1
+        mean_bin = sum(b * c for b, c in counts.items()) / max(sum(counts.values()), 1)
         if self.steps_since_drafting < self.probe_interval:
+            self.alpha_bin_since_probe = min(self.alpha_bin_since_probe, mean_bin)
             return 0
-        self.steps_since_drafting = 0
-        self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        rose = mean_bin > self.alpha_bin_since_probe
+        self.probe_interval = (
+            PROBE_INTERVAL if rose else min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        )
+        self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
         return allowed[1]  # a probe: the smallest N that drafts
 
     def _calibrating(self, batch: int) -> bool:
