@@ -14,11 +14,13 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   not been verified yet). accepted / drafted would underestimate alpha: a run stopped by a
   rejection says nothing about the drafts after it.
 - cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
-  verifies N and proposes N; no prefill), an EMA per (power-of-two batch bucket, N). An N not
-  measured yet at a bucket is scaled from the measured ones by the analytic prior
-  1 + drafter_overhead + per_row * b * N (in decode steps). Plain decode (N = 0) is measured
-  for a few steps the first time a bucket is met, so the comparison with speculation rests on
-  this machine's times, not on the prior.
+  verifies N and proposes N; no prefill), the median of the last few per (power-of-two batch
+  bucket, N): step times are only ever inflated (a cold cache, a noisy neighbour), so a median
+  ignores the outliers and follows a real change within a few steps. An N not measured yet at
+  a bucket is scaled from the measured ones by the analytic prior 1 + drafter_overhead +
+  per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
+  bucket is first met and again every RECALIBRATE_INTERVAL steps while the batch drafts, so
+  the comparison with speculation rests on this machine's current times, not on the prior.
 - probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
   one step every `probe_interval` steps. The interval doubles at each probe that finds the
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
@@ -33,6 +35,7 @@ read back), and any N is lossless: the verify takes whatever the drafter propose
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -49,13 +52,13 @@ INITIAL_ALPHA = 0.6
 INITIAL_PRIOR_WEIGHT = 10.0
 # Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects).
 PRIOR_WEIGHT = 2.0
-# Step-time EMA: the newest step's weight; a step above CLIP x the estimate counts as CLIP x
-# (a page fault, a compile or a noisy neighbour must not swing the choice for long).
-COST_EMA = 0.1
-CLIP = 3.0
+# Step times kept per (bucket, N); the estimate is their (lower) median.
+COST_WINDOW = 5
 # Plain-decode steps timed the first time a batch bucket is met (the first one after a change
-# of N is not uniform, so this times CALIBRATION_STEPS - 1).
-CALIBRATION_STEPS = 3
+# of N is not uniform, so this times CALIBRATION_STEPS - 1), and how many steps a bucket drafts
+# before they are timed again.
+CALIBRATION_STEPS = 4
+RECALIBRATE_INTERVAL = 256
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
 
@@ -90,6 +93,7 @@ class StepCostModel:
     def __init__(self, prior: CostPrior) -> None:
         self.prior = prior
         self.measured: dict[tuple[int, int], float] = {}  # (bucket, N) -> seconds
+        self.samples: dict[tuple[int, int], deque[float]] = {}  # their last COST_WINDOW times
         self.unit: dict[int, float] = {}  # bucket -> seconds per prior unit (a decode step)
 
     @staticmethod
@@ -100,12 +104,13 @@ class StepCostModel:
     def record(self, batch: int, num_drafts: int, seconds: float) -> None:
         bucket = self.bucket(batch)
         key = (bucket, num_drafts)
-        old = self.measured.get(key)
-        new = seconds if old is None else old + COST_EMA * (min(seconds, CLIP * old) - old)
-        self.measured[key] = new
-        unit = new / self.prior(batch, num_drafts)
-        old_unit = self.unit.get(bucket)
-        self.unit[bucket] = unit if old_unit is None else old_unit + COST_EMA * (unit - old_unit)
+        window = self.samples.get(key)
+        if window is None:
+            window = self.samples[key] = deque(maxlen=COST_WINDOW)
+        window.append(seconds)
+        median = sorted(window)[(len(window) - 1) // 2]
+        self.measured[key] = median
+        self.unit[bucket] = median / self.prior(batch, num_drafts)
 
     def has(self, batch: int, num_drafts: int) -> bool:
         return (self.bucket(batch), num_drafts) in self.measured
@@ -151,7 +156,9 @@ class DraftLengthChooser:
     steps_since_drafting: int = 0
     # The batch's lowest mean alpha bin since the last probe (-1: no probe yet).
     alpha_bin_since_probe: float = -1.0
+    num_steps: int = 0  # `choose` calls
     calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
+    decode_timed_at: dict[int, int] = field(default_factory=dict)  # bucket -> step
     # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
     expected: list[list[float]] = field(init=False)
     allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
@@ -189,9 +196,12 @@ class DraftLengthChooser:
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
         self.costs.record(batch, num_drafts, seconds)
+        if not num_drafts:
+            self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
 
     def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
         """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
+        self.num_steps += 1
         cap = self.schedule.num_drafts(batch)
         allowed = self.allowed_by_cap[cap]
         if len(allowed) == 1:
@@ -226,12 +236,16 @@ class DraftLengthChooser:
 
     def _calibrating(self, batch: int) -> bool:
         """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met
-        for the first time."""
-        if self.costs.has(batch, 0):
-            return False
+        for the first time, or not timed for RECALIBRATE_INTERVAL steps."""
         bucket = StepCostModel.bucket(batch)
-        left = self.calibrating.get(bucket, CALIBRATION_STEPS)
-        if left <= 0:  # its steps were not uniform (prefills): leave it to the prior
+        left = self.calibrating.get(bucket, 0)
+        if left:
+            self.calibrating[bucket] = left - 1
+            return True
+        timed = self.decode_timed_at.get(bucket)
+        if timed is not None and self.num_steps - timed < RECALIBRATE_INTERVAL:
             return False
-        self.calibrating[bucket] = left - 1
+        # Counted as timed now: steps that turn out not uniform (prefills) wait for the next.
+        self.decode_timed_at[bucket] = self.num_steps
+        self.calibrating[bucket] = CALIBRATION_STEPS - 1
         return True

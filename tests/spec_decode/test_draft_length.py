@@ -13,8 +13,10 @@ import torch
 from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
+    COST_WINDOW,
     MAX_PROBE_INTERVAL,
     PROBE_INTERVAL,
+    RECALIBRATE_INTERVAL,
     AcceptanceEstimate,
     CostPrior,
     DraftLengthChooser,
@@ -63,14 +65,17 @@ def run(
     r: random.Random,
     steps: int,
 ) -> list[int]:
-    """`steps` engine steps: each chooses N for the batch, and the drafts proposed at a step
-    are verified (observed) at the next one, as in the engine."""
-    chosen, pending = [], 0
+    """`steps` engine steps: each chooses N for the batch, the drafts proposed at a step are
+    verified (observed) at the next one, and a uniform step (verifies and proposes N) is timed
+    at the cost table's value, as in the engine."""
+    chosen, pending, batch = [], 0, len(estimates)
     for _ in range(steps):
-        n = chooser.choose(estimates, len(estimates))
+        n = chooser.choose(estimates, batch)
         for e, alpha in zip(estimates, alphas, strict=True):
             if pending:
                 chooser.observe(e, accepted_run(r, alpha, pending), pending)
+        if n == pending:
+            chooser.record_step(batch, n, chooser.costs.cost(batch, n))
         chosen.append(n)
         pending = n
     return chosen
@@ -158,7 +163,8 @@ def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
 
 def test_calibrates_plain_decode_at_each_new_bucket() -> None:
     """A batch bucket met for the first time decodes (N = 0) for CALIBRATION_STEPS steps unless
-    its decode steps were timed; timing one ends it (CUDA's prior: drafting pays at once)."""
+    its decode steps were timed, and again after RECALIBRATE_INTERVAL steps of drafting
+    (CUDA's prior: drafting pays at once)."""
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
     one = [AcceptanceEstimate()]
     assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
@@ -166,6 +172,11 @@ def test_calibrates_plain_decode_at_each_new_bucket() -> None:
     chooser.record_step(2, 0, 0.01)
     assert chooser.choose(one * 3, 3) > 0  # bucket 2-3: decode timed
     assert chooser.choose(one * 4, 4) == 0  # bucket 4-7: new
+    chosen = [chooser.choose(one, 1) for _ in range(2 * RECALIBRATE_INTERVAL)]
+    calibrations = [i for i, n in enumerate(chosen) if n == 0]
+    assert len(calibrations) == 2 * CALIBRATION_STEPS, calibrations
+    chooser.record_step(3, 0, 0.01)  # a batch that decodes needs no calibration
+    assert all(chooser.choose(one * 3, 3) for _ in range(RECALIBRATE_INTERVAL - 1))
 
 
 def test_cost_model_prior_scaling_and_clipping(rng) -> None:
@@ -178,8 +189,11 @@ def test_cost_model_prior_scaling_and_clipping(rng) -> None:
     # Untimed N: the prior's ratio times the bucket's timed decode step.
     assert model.cost(batch, 5) == pytest.approx(decode * prior(batch, 5))
     assert model.cost(batch, 0) == decode
-    model.record(batch, 0, 100 * decode)  # an outlier moves the estimate by a clipped step
-    assert model.cost(batch, 0) < 1.3 * decode
+    model.record(batch, 0, 100 * decode)  # an outlier: the median ignores it
+    assert model.cost(batch, 0) == decode
+    for _ in range(COST_WINDOW // 2 + 1):  # a lasting change: followed within a few steps
+        model.record(batch, 0, 2 * decode)
+    assert model.cost(batch, 0) == 2 * decode
     other = 2 * batch + 1  # another bucket: its own unit
     assert model.cost(other, 0) == prior(other, 0)
 
