@@ -104,7 +104,7 @@ class LLMEngine:
         """Runs the eager steps whose kernel variants graph capture does not compile
         (blockdraft/engine/warmup.py)."""
         t0 = time.perf_counter()
-        num_drafts = self.draft_schedule.num_drafts(1) if self.draft_schedule else 0
+        num_drafts = self.draft_schedule.all_num_drafts if self.draft_schedule else []
         warm_up_eager_steps(
             self.runner, self.draft_launcher, num_drafts, self.max_model_len,
             self.config.max_num_seqs, self.lookahead,
