@@ -42,8 +42,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     # Draft tokens per step by batch size, {at least this many running requests: N}, e.g.
     # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens; N = 0: no drafts.
-    # "auto": {24: 7} on CUDA, {4: 0} on the CPU (blockdraft.spec_decode.draft_schedule);
-    # None: fixed N.
+    # "auto": N chosen each step from the requests' acceptance and the measured step costs
+    # (blockdraft.spec_decode.draft_length), at most {24: 7} on CUDA, {4: 0} on the CPU
+    # (blockdraft.spec_decode.draft_schedule); None: fixed N.
     num_speculative_tokens_by_batch: dict[int, int] | str | None = "auto"
     # Benchmark only: accept each draft with this probability instead of verifying it, so speed
     # can be measured at a chosen acceptance length with random weights. Output is meaningless.

@@ -57,6 +57,7 @@ def test_generate_prints_text_speed_and_spec_stats(pair, capsys) -> None:
     spec = capsys.readouterr().out.splitlines()
     assert spec[0] == plain[0]  # lossless
     assert "speculative decoding:" in spec[2] and "mean acceptance length" in spec[2]
+    assert "steps by chosen N" in spec[2]  # the N the engine chose, step by step
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import DraftLauncher, LaunchedDrafts
+from blockdraft.spec_decode.draft_length import DraftLengthChooser
 from blockdraft.spec_decode.drafts import PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer
 
@@ -47,6 +48,10 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len, self.num_spec = loaded.max_model_len, loaded.num_spec
         self.draft_schedule, self.lookahead = loaded.draft_schedule, loaded.lookahead
+        # "auto": N chosen each step from the requests' acceptance and the step costs.
+        self.draft_length: DraftLengthChooser | None = None
+        if self.draft_schedule is not None and self.draft_schedule.is_adaptive:
+            self.draft_length = DraftLengthChooser.for_device(self.draft_schedule, self.device.type)
         rate = getattr(config.speculative_config, "synthetic_acceptance_rate", None)
         self.runner = ModelRunner(self.model, config.block_size, self.device, rate)
         self.proposer: DFlashProposer | None = None
@@ -99,7 +104,7 @@ class LLMEngine:
         """Runs the eager steps whose kernel variants graph capture does not compile
         (blockdraft/engine/warmup.py)."""
         t0 = time.perf_counter()
-        num_drafts = self.draft_schedule.num_drafts(1) if self.draft_schedule else 0
+        num_drafts = self.draft_schedule.all_num_drafts if self.draft_schedule else []
         warm_up_eager_steps(
             self.runner, self.draft_launcher, num_drafts, self.max_model_len,
             self.config.max_num_seqs, self.lookahead,
@@ -147,19 +152,34 @@ class LLMEngine:
         finished (finished ones are forgotten afterwards)."""
         if self.config.async_decode and self.draft_launcher is None:
             return self._async_decode_step()
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
         launched = self.runner.launch(chunks)
-        drafts = None
-        if self.draft_launcher is not None:
-            # Queued before the readback, so the GPU drafts while the host processes the step.
-            # N by the batch the next step verifies: every request running now (those the
-            # readback will finish included: any N is lossless, verify takes a prefix).
-            num_drafts = self.draft_schedule.num_drafts(self.num_running)
-            drafts = self.draft_launcher.launch(launched.target_step(), num_drafts)
+        if self.draft_launcher is None:
+            return self._process_step(chunks, self.runner.finish(launched), None)
+        # Queued before the readback, so the GPU drafts while the host processes the step.
+        # N for the batch the next step verifies: every request running now (those the
+        # readback will finish included: any N is lossless, verify takes a prefix).
+        num_drafts = self._num_drafts()
+        drafts = self.draft_launcher.launch(launched.target_step(), num_drafts)
+        self.spec_stats.record_step(num_drafts)
         result = self.runner.finish(launched)  # the step's one device-to-host read
-        return self._process_step(chunks, result, drafts)
+        outputs = self._process_step(chunks, result, drafts)
+        if self.draft_length is not None and all(
+            c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks
+        ):  # a uniform step (no prefill; verified and proposed N): its time is cost(b, N)
+            self.draft_length.record_step(len(chunks), num_drafts, time.perf_counter() - t0)
+        return outputs
+
+    def _num_drafts(self) -> int:
+        """N for the drafts proposed this step: chosen from the running requests' acceptance
+        ("auto"), else the draft schedule's for the batch size."""
+        running = self.scheduler.running
+        if self.draft_length is None:
+            return self.draft_schedule.num_drafts(len(running))
+        return self.draft_length.choose((s.acceptance for s in running), len(running))
 
     def _process_step(
         self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None
@@ -173,6 +193,8 @@ class LLMEngine:
             seq = chunk.seq
             if accepted is not None:
                 self.spec_stats.record(accepted, chunk.num_drafts)
+                if self.draft_length is not None:
+                    self.draft_length.observe(seq.acceptance, accepted, chunk.num_drafts)
                 seq.num_computed_tokens = chunk.start + 1 + accepted
                 seq.drafts = None
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from blockdraft.sampling_params import SamplingParams
+from blockdraft.spec_decode.draft_length import AcceptanceEstimate
 from blockdraft.spec_decode.drafts import PendingDrafts
 
 # The input id of a verify row whose draft lives on the device: the model runner overwrites it
@@ -46,6 +47,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.drafts: PendingDrafts | None = None  # proposed, verified when next scheduled
         self.spec_accept_lengths: list[int] = []
+        self.acceptance = AcceptanceEstimate()  # its drafts' acceptance, for choosing N
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -15,6 +15,8 @@ class SpecDecodeStats:
     histogram: dict[int, int] = field(default_factory=dict)
     # draft tokens verified at once (N, which may depend on the batch size) -> verify steps
     drafts_by_num_tokens: dict[int, int] = field(default_factory=dict)
+    # N the engine chose for a step's drafts (0: none, a plain decode next) -> engine steps
+    steps_by_num_drafts: dict[int, int] = field(default_factory=dict)
 
     def record(self, num_accepted: int, num_draft_tokens: int) -> None:
         self.num_drafts += 1
@@ -25,13 +27,19 @@ class SpecDecodeStats:
         by_n = self.drafts_by_num_tokens
         by_n[num_draft_tokens] = by_n.get(num_draft_tokens, 0) + 1
 
+    def record_step(self, num_drafts: int) -> None:
+        by_n = self.steps_by_num_drafts
+        by_n[num_drafts] = by_n.get(num_drafts, 0) + 1
+
     @property
     def mean_acceptance_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
     def summary(self) -> str:
+        steps = " ".join(f"{k}:{v}" for k, v in sorted(self.steps_by_num_drafts.items()))
+        chosen = f"; steps by chosen N {steps}" if steps else ""
         if not self.num_drafts:
-            return "speculative decoding: no verify steps"
+            return f"speculative decoding: no verify steps{chosen}"
         hist = " ".join(f"{k}:{v}" for k, v in sorted(self.histogram.items()))
         text = (
             f"speculative decoding: {self.num_drafts} drafts, {self.num_draft_tokens} draft "
@@ -41,4 +49,4 @@ class SpecDecodeStats:
         if len(self.drafts_by_num_tokens) > 1:  # the batch-size schedule changed N
             by_n = " ".join(f"{k}:{v}" for k, v in sorted(self.drafts_by_num_tokens.items()))
             text += f"; drafts by N {by_n}"
-        return text
+        return text + chosen

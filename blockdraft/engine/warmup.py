@@ -12,9 +12,10 @@ that reach those variants: one request of each query length a launch tells apart
 length up to the skinny GEMM's 16 rows, then attention's larger tiles) over cached contexts on
 either side of the split-K and key-tile thresholds, and batches of one-row decodes; each is
 sampled as a completing chunk is, and on a DFlash engine followed by its context write and
-drafts. The first request samples at a temperature with every filter on, and a verify's
-rejection sampling runs once on dummy logits: the sampler's kernels are launched outside the
-graphs too (their first compile stalled a first sampled request by 1.05 s).
+drafts of each N the engine may pick. The first request samples at a temperature with every
+filter on, and a verify's rejection sampling (of each N) runs once on dummy logits: the
+sampler's kernels are launched outside the graphs too (their first compile stalled a first
+sampled request by 1.05 s).
 
 The requests write K/V into blocks of the pool before any request owns them: nothing is
 registered in the prefix cache, and the blocks are overwritten when allocated.
@@ -59,7 +60,7 @@ def warmup_shapes(max_model_len: int, max_num_seqs: int) -> list[tuple[int, int,
 def warm_up_eager_steps(
     runner: ModelRunner,
     draft_launcher: DraftLauncher | None,
-    num_drafts: int,  # N the drafts are proposed with (0: none)
+    num_drafts: list[int],  # every N the drafts may be proposed with (0: none)
     max_model_len: int,
     max_num_seqs: int,
     lookahead: int,  # rows past the last token a step may write (DFlash's block)
@@ -78,11 +79,14 @@ def warm_up_eager_steps(
             chunks.append(ScheduledChunk(seq, ctx, [0] * q, 0))
         step = runner.launch(chunks)
         if draft_launcher is not None:
-            draft_launcher.launch(step.target_step(), num_drafts)
+            # Each N's drafter block has its own row count ("auto" picks N step by step).
+            for n in num_drafts:
+                draft_launcher.launch(step.target_step(), n)
         runner.finish(step)
-    if draft_launcher is not None and num_drafts:
-        probe = Sequence("warmup", None, [0], sampled, seed=0, max_tokens=1)
-        _warm_up_rejection_sampling(probe, runner.model.cfg.vocab_size, num_drafts, runner.device)
+    for n in num_drafts if draft_launcher is not None else []:
+        if n:
+            probe = Sequence("warmup", None, [0], sampled, seed=0, max_tokens=1)
+            _warm_up_rejection_sampling(probe, runner.model.cfg.vocab_size, n, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 

@@ -11,7 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from blockdraft.outputs import RequestOutput
@@ -55,6 +60,22 @@ class _EngineCollector(Collector):
             "Mean tokens committed per verify step (accepted drafts + 1); 0 before any",
             stats.mean_acceptance_length,
         )
+        yield _num_drafts_histogram(stats.steps_by_num_drafts, stats.num_speculative_tokens)
+
+
+def _num_drafts_histogram(steps_by_n: dict[int, int], max_n: int) -> HistogramMetricFamily:
+    """Engine steps by the N chosen for their drafts, one bucket per N in 0..max_n."""
+    buckets, total = [], 0
+    for n in range(max_n + 1):
+        total += steps_by_n.get(n, 0)
+        buckets.append((str(float(n)), total))  # le="2.0", as Prometheus writes it
+    buckets.append(("+Inf", sum(steps_by_n.values())))
+    return HistogramMetricFamily(
+        PREFIX + "spec_decode_num_drafts_per_step",
+        "Draft tokens per request chosen for each speculative engine step (0: none)",
+        buckets=buckets,
+        sum_value=sum(n * c for n, c in steps_by_n.items()),
+    )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

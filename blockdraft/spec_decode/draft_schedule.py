@@ -1,4 +1,5 @@
-"""How many tokens to draft per step, by batch size.
+"""How many tokens to draft per step, by batch size: the N itself (an explicit schedule), or the
+most the acceptance-aware chooser may pick ("auto", blockdraft/spec_decode/draft_length.py).
 
 A verify of 1+N rows per request is nearly free at small batches (the target's weight reads
 dominate) but becomes compute-bound at large ones: on an H200 with Qwen3-8B shapes, 16 rows x
@@ -18,6 +19,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+# "auto" on CUDA: the N the chooser picks from (those with CUDA graphs; 0 replays decode's),
+# besides num_speculative_tokens itself. The cost of a step grows slowly with N there, so a few
+# lengths cover the range; each one costs a capture of the verify and drafter graphs.
+AUTO_CUDA_CHOICES = (0, 3, 7)
 # "auto" on CUDA: from this many running requests on, draft at most AUTO_NUM_DRAFTS tokens.
 AUTO_MIN_BATCH = 24
 AUTO_NUM_DRAFTS = 7
@@ -84,6 +89,9 @@ class DraftSchedule:
 
     min_batches: tuple[int, ...]
     num_drafts_at: tuple[int, ...]
+    # "auto": the N the chooser may pick, ascending, 0 first; num_drafts(batch) is then the
+    # most it may pick at that batch size. None: num_drafts(batch) is N.
+    choices: tuple[int, ...] | None = None
 
     @classmethod
     def resolve(
@@ -95,13 +103,15 @@ class DraftSchedule:
         """The schedule a config asks for, once num_speculative_tokens is resolved (it may come
         from the drafter's block size). Every N is checked to lie in 0..num_speculative_tokens."""
         check_draft_schedule(by_batch, num_speculative_tokens)
+        choices = None
         if by_batch == "auto":
             by_batch = cls.auto(num_speculative_tokens, device_type)
+            choices = cls.auto_choices(num_speculative_tokens, device_type)
         steps = {1: num_speculative_tokens, **(by_batch or {})}
         keys = sorted(steps)
         # Drop keys that do not change N, so each N has as few batch ranges as possible.
         kept = [k for i, k in enumerate(keys) if i == 0 or steps[k] != steps[keys[i - 1]]]
-        return cls(tuple(kept), tuple(steps[k] for k in kept))
+        return cls(tuple(kept), tuple(steps[k] for k in kept), choices)
 
     @staticmethod
     def auto(num_speculative_tokens: int, device_type: str) -> dict[int, int]:
@@ -112,14 +122,33 @@ class DraftSchedule:
             return {AUTO_CPU_STOP_BATCH: 0}
         return {AUTO_MIN_BATCH: min(num_speculative_tokens, AUTO_NUM_DRAFTS)}
 
+    @staticmethod
+    def auto_choices(num_speculative_tokens: int, device_type: str) -> tuple[int, ...]:
+        """The N "auto" chooses from: every one on the CPU (no graphs), a few on CUDA."""
+        if device_type != "cuda":
+            return tuple(range(num_speculative_tokens + 1))
+        picks = {n for n in AUTO_CUDA_CHOICES if n < num_speculative_tokens}
+        return tuple(sorted(picks | {num_speculative_tokens}))
+
+    @property
+    def is_adaptive(self) -> bool:
+        """N is chosen each step from acceptance (below the schedule's cap)."""
+        return self.choices is not None
+
     @property
     def is_fixed(self) -> bool:
-        return len(self.num_drafts_at) == 1
+        return not self.is_adaptive and len(self.num_drafts_at) == 1
+
+    def allowed(self, cap: int) -> tuple[int, ...]:
+        """The N a step may draft when the schedule gives `cap` at its batch size."""
+        if self.choices is None:
+            return (cap,)
+        return tuple(n for n in self.choices if n <= cap) + (() if cap in self.choices else (cap,))
 
     @property
     def all_num_drafts(self) -> list[int]:
         """Every N the schedule may pick, 0 (no drafts) included."""
-        return sorted(set(self.num_drafts_at))
+        return sorted({n for cap in self.num_drafts_at for n in self.allowed(cap)})
 
     def num_drafts(self, batch_size: int) -> int:
         """N for a step that proposes while `batch_size` requests run (host only: a lookup)."""
@@ -128,13 +157,14 @@ class DraftSchedule:
     def graph_batch_sizes(self, num_drafts: int, batch_sizes: list[int]) -> list[int]:
         """The CUDA-graph batch buckets (of `batch_sizes`, ascending, the last being the most
         requests that run) that steps drafting `num_drafts` tokens can replay: for each batch
-        range with that N, from the bucket of its smallest batch to that of its largest. A
-        smaller batch with that N (some running requests had no drafts) pads up to the first."""
+        range that may pick that N, from the bucket of its smallest batch to that of its
+        largest. A smaller batch with that N (some running requests had no drafts) pads up to
+        the first."""
         largest = batch_sizes[-1]
         ends = list(self.min_batches[1:]) + [largest + 1]
         chosen: set[int] = set()
         for lo, end, n in zip(self.min_batches, ends, self.num_drafts_at, strict=True):
-            if n != num_drafts or lo > largest:
+            if num_drafts not in self.allowed(n) or lo > largest:
                 continue
             first, last = bucket_of(lo, batch_sizes), bucket_of(min(end - 1, largest), batch_sizes)
             chosen.update(b for b in batch_sizes if first <= b <= last)

@@ -83,3 +83,24 @@ def test_warm_up_runs_each_shape_and_leaves_no_trace(
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     if speculative:
         assert [o.spec_accept_lengths for o in got] == [o.spec_accept_lengths for o in expected]
+
+
+def test_warm_up_drafts_each_n_that_auto_may_pick(pair, monkeypatch) -> None:
+    """With "auto" (N picked step by step) every warm-up step drafts each N it may pick (0-3 on the
+    CPU here), and a sampled verify runs for each N that drafts."""
+    target, drafter = pair
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3}
+    llm = LLM(str(target), max_model_len=48, block_size=4, speculative_config=spec)
+    engine = llm.engine
+    assert engine.draft_schedule.all_num_drafts == [0, 1, 2, 3]
+    drafted = []
+    launch = engine.draft_launcher.launch
+    engine.draft_launcher.launch = lambda step, n: drafted.append(n) or launch(step, n)
+    verified = []
+    monkeypatch.setattr(
+        warmup, "rejection_sample", lambda *a: verified.append(a) or rejection_sample(*a)
+    )
+    engine.warm_up()
+    num_steps = len(warmup_shapes(48, engine.config.max_num_seqs))
+    assert drafted == [0, 1, 2, 3] * num_steps
+    assert [tuple(a[1].shape) for a in verified] == [(1, 1), (1, 2), (1, 3)]

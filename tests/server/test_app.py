@@ -447,6 +447,13 @@ def test_spec_decode_meta_info_and_metrics(spec: Served) -> None:
     assert after["blockdraft:spec_decode_num_draft_tokens_total"] > 0
     assert after["blockdraft:spec_decode_num_accepted_tokens_total"] > 0
     assert after["blockdraft:spec_decode_mean_acceptance_length"] > 4
+    # Steps by chosen N: every speculative step counted once, drafts chosen in some.
+    per_step = "blockdraft:spec_decode_num_drafts_per_step"
+    steps = after[f"{per_step}_count"]
+    assert steps == sum(spec.engine.spec_stats.steps_by_num_drafts.values()) >= drafts
+    assert after[f'{per_step}_bucket{{le="15.0"}}'] == after[f'{per_step}_bucket{{le="+Inf"}}']
+    assert after[f'{per_step}_bucket{{le="0.0"}}'] < steps
+    assert after[f"{per_step}_sum"] >= after["blockdraft:spec_decode_num_draft_tokens_total"]
     assert after['blockdraft:requests_total{finished_reason="length"}'] == 1
     assert after["blockdraft:prompt_tokens_total"] == 3
     assert after["blockdraft:generation_tokens_total"] == 40

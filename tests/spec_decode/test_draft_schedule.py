@@ -87,14 +87,14 @@ def test_default_num_drafts_by_device(block_size: int) -> None:
 
 
 def test_cpu_engine_drafts_two_by_default_and_stays_lossless(pairs, rng) -> None:
-    """On the CPU an unset num_speculative_tokens means 2 drafts a step (an explicit N is kept),
-    and the output is the target's."""
+    """On the CPU an unset num_speculative_tokens means at most 2 drafts a step, chosen among
+    0-2 (an explicit N is kept), and the output is the target's."""
     target, drafter = pairs["agreeing"]
     prompts = [random_prompt(target, n, rng) for n in (3, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
-    assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [0, 2]
+    assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [0, 1, 2]
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
     assert max(k for o in out for k in o.spec_accept_lengths) == 3  # 2 drafts + the target's
@@ -128,15 +128,23 @@ def test_schedule_lookup_and_graph_buckets_on_random_schedules(rng) -> None:
 
 @pytest.mark.parametrize("n", [3, 7, 15])
 def test_auto_schedule_by_device(n: int) -> None:
-    """'auto': fewer drafts from 24 requests on CUDA, none from 4 on the CPU; None: fixed."""
+    """'auto': N chosen from acceptance, at most 7 from 24 requests on CUDA (among a few N with
+    graphs) and none from 4 on the CPU (among all); None: fixed."""
     cuda = DraftSchedule.resolve("auto", n, "cuda")
     cpu = DraftSchedule.resolve("auto", n, "cpu")
     off = DraftSchedule.resolve(None, n, "cuda")
-    assert off.is_fixed and off.num_drafts(512) == n
+    assert off.is_fixed and not off.is_adaptive and off.num_drafts(512) == n
+    assert off.allowed(n) == (n,)
     assert [cuda.num_drafts(b) for b in (1, 23, 24, 512)] == [n, n, min(n, 7), min(n, 7)]
-    assert cuda.is_fixed == (n <= 7)
+    assert cuda.is_adaptive and not cuda.is_fixed
+    assert cuda.all_num_drafts == sorted({0, min(n, 3), min(n, 7), n})
+    assert cuda.allowed(min(n, 7)) == tuple(sorted({0, min(n, 3), min(n, 7)}))
     assert [cpu.num_drafts(b) for b in (1, 3, 4, 512)] == [n, n, 0, 0]
-    assert cpu.all_num_drafts == [0, n]
+    assert cpu.all_num_drafts == list(range(n + 1)) and cpu.allowed(0) == (0,)
+    sizes = default_batch_sizes(64)  # every N up to the cap has graphs where it may be chosen
+    if n > 7:  # only below 24 requests
+        assert cuda.graph_batch_sizes(n, sizes) == [1, 2, 4, 8, 16, 24]
+    assert cuda.graph_batch_sizes(min(n, 3), sizes) == sizes
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])

@@ -1,0 +1,251 @@
+"""Draft length chosen each step from how well the drafter is doing ("auto").
+
+A step that drafts N tokens per request commits, for a request whose drafts are each accepted
+with probability alpha (independently, the first rejection ending the run), on average
+E(alpha, N) = 1 + alpha + ... + alpha^N = (1 - alpha^(N+1)) / (1 - alpha) tokens at its next
+verify, and costs cost(b, N) seconds for a batch of b. The chooser picks, among the N the
+draft schedule allows at this batch size (0 included), the one that maximises the batch's
+expected tokens per second, sum_i E(alpha_i, N) / cost(b, N). N stays one value per step: the
+verify and the drafter's block are uniform (one CUDA graph per 1+N).
+
+- alpha per request (`AcceptanceEstimate`): the maximum-likelihood estimate of a truncated
+  geometric run, accepted / (accepted + rejections), over its verifies with exponential decay,
+  pulled towards the drafter's running engine-wide estimate (the prior of a request that has
+  not been verified yet). accepted / drafted would underestimate alpha: a run stopped by a
+  rejection says nothing about the drafts after it.
+- cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
+  verifies N and proposes N; no prefill), the median of the last few per (power-of-two batch
+  bucket, N): step times are only ever inflated (a cold cache, a noisy neighbour), so a median
+  ignores the outliers and follows a real change within a few steps. An N not measured yet at
+  a bucket is scaled from the measured ones by the analytic prior 1 + drafter_overhead +
+  per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
+  bucket is first met and again every RECALIBRATE_INTERVAL steps while the batch drafts, so
+  the comparison with speculation rests on this machine's current times, not on the prior.
+- probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
+  one step every `probe_interval` steps. The interval doubles at each probe that finds the
+  batch's mean alpha no higher than its lowest since the previous probe (text that stays
+  unpredictable pays ever less for probes), and returns to PROBE_INTERVAL when it rose (a
+  request becoming predictable needs a few probes to lift its estimate) or once drafting pays
+  again.
+
+Everything here runs on the host each step over plain floats: no tensor, no device sync.
+The choice lags the readback by one step (drafts are proposed before the step's tokens are
+read back), and any N is lossless: the verify takes whatever the drafter proposed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
+
+# alpha is looked up on this grid (ALPHA_BINS + 1 values in [0, 1]) so a step sums a table.
+ALPHA_BINS = 64
+# Per-request decay of the accepted / rejected counts at each verify (~5 verifies of memory).
+REQUEST_DECAY = 0.8
+# The engine-wide estimate's decay per verify, and its starting point: a fresh drafter is
+# trusted enough to be tried (its first verifies then set the prior).
+PRIOR_DECAY = 0.99
+INITIAL_ALPHA = 0.6
+INITIAL_PRIOR_WEIGHT = 10.0
+# Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects).
+PRIOR_WEIGHT = 2.0
+# Step times kept per (bucket, N); the estimate is their (lower) median.
+COST_WINDOW = 5
+# Plain-decode steps timed the first time a batch bucket is met (the first one after a change
+# of N is not uniform, so this times CALIBRATION_STEPS - 1), and how many steps a bucket drafts
+# before they are timed again.
+CALIBRATION_STEPS = 4
+RECALIBRATE_INTERVAL = 256
+PROBE_INTERVAL = 8
+MAX_PROBE_INTERVAL = 128
+
+
+@dataclass(frozen=True)
+class CostPrior:
+    """cost(b, N) / decode(b) before any step is timed: 1 + drafter_overhead * (N > 0) +
+    per_row * b * N. On the CPU every verify row costs compute (SmolLM2-135M on 2 cores: N = 1 /
+    2 / 15 ran at 1.42 / 1.66 / 4.95 decode steps with its drafter); on an H200 the verify rows
+    are nearly free at small batches (Qwen3-8B: a 16-row DFlash step 1.42 decode steps at batch
+    1, ~3.4 at 32 requests)."""
+
+    drafter_overhead: float
+    per_row: float
+
+    @classmethod
+    def for_device(cls, device_type: str) -> CostPrior:
+        if device_type == "cuda":
+            return cls(drafter_overhead=0.35, per_row=0.005)
+        return cls(drafter_overhead=0.2, per_row=0.25)
+
+    def __call__(self, batch: int, num_drafts: int) -> float:
+        if not num_drafts:
+            return 1.0
+        return 1.0 + self.drafter_overhead + self.per_row * batch * num_drafts
+
+
+class StepCostModel:
+    """Seconds per uniform step by (batch bucket, N): measured where the engine has run such
+    steps, else the prior scaled by the bucket's measured decode-step unit."""
+
+    def __init__(self, prior: CostPrior) -> None:
+        self.prior = prior
+        self.measured: dict[tuple[int, int], float] = {}  # (bucket, N) -> seconds
+        self.samples: dict[tuple[int, int], deque[float]] = {}  # their last COST_WINDOW times
+        self.unit: dict[int, float] = {}  # bucket -> seconds per prior unit (a decode step)
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        """Power-of-two buckets: 1, 2-3, 4-7, 8-15, ..."""
+        return batch.bit_length()
+
+    def record(self, batch: int, num_drafts: int, seconds: float) -> None:
+        bucket = self.bucket(batch)
+        key = (bucket, num_drafts)
+        window = self.samples.get(key)
+        if window is None:
+            window = self.samples[key] = deque(maxlen=COST_WINDOW)
+        window.append(seconds)
+        median = sorted(window)[(len(window) - 1) // 2]
+        self.measured[key] = median
+        self.unit[bucket] = median / self.prior(batch, num_drafts)
+
+    def has(self, batch: int, num_drafts: int) -> bool:
+        return (self.bucket(batch), num_drafts) in self.measured
+
+    def cost(self, batch: int, num_drafts: int) -> float:
+        bucket = self.bucket(batch)
+        measured = self.measured.get((bucket, num_drafts))
+        if measured is not None:
+            return measured
+        return self.unit.get(bucket, 1.0) * self.prior(batch, num_drafts)
+
+
+class AcceptanceEstimate:
+    """One request's decayed counts of accepted drafts and of rejections (a verify that stopped
+    before its last draft), and its alpha on the ALPHA_BINS grid (-1: never verified)."""
+
+    __slots__ = ("accepted", "rejected", "alpha_bin")
+
+    def __init__(self) -> None:
+        self.accepted = 0.0
+        self.rejected = 0.0
+        self.alpha_bin = -1
+
+
+def expected_tokens(alpha: float, num_drafts: int) -> float:
+    """Tokens a verify of N i.i.d. drafts commits on average (accepted drafts + 1)."""
+    if alpha >= 1.0:
+        return num_drafts + 1.0
+    return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class DraftLengthChooser:
+    """N per step for an engine; `choose` before each step's drafts are proposed, `observe`
+    for each verify read back, `record_step` with each uniform step's wall time."""
+
+    schedule: DraftSchedule
+    costs: StepCostModel
+    probe_interval: int = PROBE_INTERVAL
+    # The drafter's engine-wide decayed counts: the prior of every request's alpha.
+    prior_accepted: float = INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT
+    prior_rejected: float = (1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT
+    steps_since_drafting: int = 0
+    # The batch's lowest mean alpha bin since the last probe (-1: no probe yet).
+    alpha_bin_since_probe: float = -1.0
+    num_steps: int = 0  # `choose` calls
+    calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
+    decode_timed_at: dict[int, int] = field(default_factory=dict)  # bucket -> step
+    # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
+    expected: list[list[float]] = field(init=False)
+    allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        top = max(self.schedule.all_num_drafts)
+        self.expected = [
+            [expected_tokens(b / ALPHA_BINS, n) for n in range(top + 1)]
+            for b in range(ALPHA_BINS + 1)
+        ]
+        self.allowed_by_cap = {
+            cap: self.schedule.allowed(cap) for cap in set(self.schedule.num_drafts_at)
+        }
+
+    @classmethod
+    def for_device(cls, schedule: DraftSchedule, device_type: str) -> DraftLengthChooser:
+        return cls(schedule, StepCostModel(CostPrior.for_device(device_type)))
+
+    @property
+    def prior_alpha(self) -> float:
+        return self.prior_accepted / (self.prior_accepted + self.prior_rejected)
+
+    def observe(self, estimate: AcceptanceEstimate, num_accepted: int, num_drafts: int) -> None:
+        """A verify of `num_drafts` drafts accepted `num_accepted` of them."""
+        rejected = 1.0 if num_accepted < num_drafts else 0.0
+        estimate.accepted = REQUEST_DECAY * estimate.accepted + num_accepted
+        estimate.rejected = REQUEST_DECAY * estimate.rejected + rejected
+        self.prior_accepted = PRIOR_DECAY * self.prior_accepted + num_accepted
+        self.prior_rejected = PRIOR_DECAY * self.prior_rejected + rejected
+        alpha = (estimate.accepted + PRIOR_WEIGHT * self.prior_alpha) / (
+            estimate.accepted + estimate.rejected + PRIOR_WEIGHT
+        )
+        estimate.alpha_bin = round(alpha * ALPHA_BINS)
+
+    def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
+        """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
+        self.costs.record(batch, num_drafts, seconds)
+        if not num_drafts:
+            self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
+
+    def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
+        """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
+        self.num_steps += 1
+        cap = self.schedule.num_drafts(batch)
+        allowed = self.allowed_by_cap[cap]
+        if len(allowed) == 1:
+            return allowed[0]
+        if self._calibrating(batch):
+            return 0
+        prior_bin = round(self.prior_alpha * ALPHA_BINS)
+        counts: dict[int, int] = {}
+        for e in estimates:
+            b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
+            counts[b] = counts.get(b, 0) + 1
+        best, best_rate = 0, 0.0
+        for n in allowed:
+            tokens = sum(c * self.expected[b][n] for b, c in counts.items())
+            rate = tokens / self.costs.cost(batch, n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best:
+            self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
+            return best
+        self.steps_since_drafting += 1
+        mean_bin = sum(b * c for b, c in counts.items()) / max(sum(counts.values()), 1)
+        if self.steps_since_drafting < self.probe_interval:
+            self.alpha_bin_since_probe = min(self.alpha_bin_since_probe, mean_bin)
+            return 0
+        rose = mean_bin > self.alpha_bin_since_probe
+        self.probe_interval = (
+            PROBE_INTERVAL if rose else min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+        )
+        self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
+        return allowed[1]  # a probe: the smallest N that drafts
+
+    def _calibrating(self, batch: int) -> bool:
+        """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met
+        for the first time, or not timed for RECALIBRATE_INTERVAL steps."""
+        bucket = StepCostModel.bucket(batch)
+        left = self.calibrating.get(bucket, 0)
+        if left:
+            self.calibrating[bucket] = left - 1
+            return True
+        timed = self.decode_timed_at.get(bucket)
+        if timed is not None and self.num_steps - timed < RECALIBRATE_INTERVAL:
+            return False
+        # Counted as timed now: steps that turn out not uniform (prefills) wait for the next.
+        self.decode_timed_at[bucket] = self.num_steps
+        self.calibrating[bucket] = CALIBRATION_STEPS - 1
+        return True

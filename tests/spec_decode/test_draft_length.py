@@ -1,0 +1,211 @@
+"""The acceptance-aware draft-length chooser (blockdraft/spec_decode/draft_length.py) on
+synthetic step-cost tables and acceptance streams: it picks 0 when drafts never land, the most
+when they always do, finds its way back through probes, and otherwise maximises the batch's
+expected tokens per second."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from blockdraft.spec_decode.draft_length import (
+    ALPHA_BINS,
+    CALIBRATION_STEPS,
+    COST_WINDOW,
+    MAX_PROBE_INTERVAL,
+    PROBE_INTERVAL,
+    RECALIBRATE_INTERVAL,
+    AcceptanceEstimate,
+    CostPrior,
+    DraftLengthChooser,
+    StepCostModel,
+    expected_tokens,
+)
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
+
+NUM_SPEC = 7
+
+
+def py_random(rng: torch.Generator) -> random.Random:
+    return random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+
+
+def adaptive_schedule(num_spec: int = NUM_SPEC) -> DraftSchedule:
+    """Every N in 0..num_spec at every batch size (no cap)."""
+    return DraftSchedule((1,), (num_spec,), tuple(range(num_spec + 1)))
+
+
+def chooser_with_costs(
+    r: random.Random, batches: range, overhead: float, per_row: float
+) -> DraftLengthChooser:
+    """A chooser whose every (batch, N) step was timed: decode(b) * (1 + overhead * (N > 0) +
+    per_row * b * N), decode(b) random."""
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    for b in batches:
+        decode = r.uniform(0.01, 0.05) * (1 + 0.1 * b)
+        for n in range(NUM_SPEC + 1):
+            chooser.record_step(b, n, decode * (1 + overhead * (n > 0) + per_row * b * n))
+    return chooser
+
+
+def accepted_run(r: random.Random, alpha: float, num_drafts: int) -> int:
+    """Drafts accepted by a verify when each is accepted with probability alpha in turn."""
+    k = 0
+    while k < num_drafts and r.random() < alpha:
+        k += 1
+    return k
+
+
+def run(
+    chooser: DraftLengthChooser,
+    estimates: list[AcceptanceEstimate],
+    alphas: list[float],
+    r: random.Random,
+    steps: int,
+) -> list[int]:
+    """`steps` engine steps: each chooses N for the batch, the drafts proposed at a step are
+    verified (observed) at the next one, and a uniform step (verifies and proposes N) is timed
+    at the cost table's value, as in the engine."""
+    chosen, pending, batch = [], 0, len(estimates)
+    for _ in range(steps):
+        n = chooser.choose(estimates, batch)
+        for e, alpha in zip(estimates, alphas, strict=True):
+            if pending:
+                chooser.observe(e, accepted_run(r, alpha, pending), pending)
+        if n == pending:
+            chooser.record_step(batch, n, chooser.costs.cost(batch, n))
+        chosen.append(n)
+        pending = n
+    return chosen
+
+
+def test_zero_when_drafts_never_land_and_probes_back_off(rng) -> None:
+    r = py_random(rng)
+    batch = r.randint(1, 8)
+    chooser = chooser_with_costs(r, range(1, 9), r.uniform(0.1, 0.4), r.uniform(0.01, 0.3))
+    estimates = [AcceptanceEstimate() for _ in range(batch)]
+    chosen = run(chooser, estimates, [0.0] * batch, r, 600)
+    assert sum(chosen[20:]) > 0  # probes
+    settled = chosen[50:]
+    probes = [i for i, n in enumerate(settled) if n]
+    assert all(settled[i] == 1 for i in probes), "a probe drafts the smallest N"
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL, gaps
+    assert len(probes) <= 10
+    assert all(e.alpha_bin <= ALPHA_BINS // 8 for e in estimates)
+
+
+def test_most_drafts_when_they_always_land(rng) -> None:
+    r = py_random(rng)
+    batch = r.randint(1, 8)
+    chooser = chooser_with_costs(r, range(1, 9), r.uniform(0.1, 0.5), r.uniform(0.005, 0.05))
+    estimates = [AcceptanceEstimate() for _ in range(batch)]
+    chosen = run(chooser, estimates, [1.0] * batch, r, 40)
+    assert chosen[3:] == [NUM_SPEC] * 37, chosen
+    assert all(e.alpha_bin == ALPHA_BINS for e in estimates)
+
+
+def test_recovers_after_probes_when_text_becomes_predictable(rng) -> None:
+    r = py_random(rng)
+    batch = r.randint(1, 4)
+    chooser = chooser_with_costs(r, range(1, 5), r.uniform(0.1, 0.3), r.uniform(0.01, 0.1))
+    estimates = [AcceptanceEstimate() for _ in range(batch)]
+    assert not any(run(chooser, estimates, [0.0] * batch, r, 300)[200:][:PROBE_INTERVAL])
+    interval = chooser.probe_interval
+    assert interval > PROBE_INTERVAL  # backed off
+    chosen = run(chooser, estimates, [1.0] * batch, r, interval + 20 * PROBE_INTERVAL + 20)
+    first = next(i for i, n in enumerate(chosen) if n)
+    assert first <= interval and chosen[first] == 1  # the next probe
+    assert chosen[-10:] == [NUM_SPEC] * 10, chosen
+    assert chooser.probe_interval == PROBE_INTERVAL
+
+
+def brute_force(chooser: DraftLengthChooser, alphas: list[float], batch: int) -> float:
+    """The best expected tokens per second over every allowed N, at exact alphas."""
+    allowed = chooser.schedule.allowed(chooser.schedule.num_drafts(batch))
+    return max(
+        sum(expected_tokens(a, n) for a in alphas) / chooser.costs.cost(batch, n) for n in allowed
+    )
+
+
+def test_choice_maximises_expected_tokens_per_second(rng) -> None:
+    """On random cost tables and per-request alphas (set through the estimate), the chosen N
+    is within the alpha grid's rounding of the best rate, and never a probe here."""
+    r = py_random(rng)
+    for _ in range(200):
+        chooser = chooser_with_costs(r, range(1, 17), r.uniform(0, 1), r.uniform(0, 0.5))
+        batch = r.randint(1, 16)
+        estimates = [AcceptanceEstimate() for _ in range(batch)]
+        for e in estimates:
+            e.alpha_bin = r.randint(0, ALPHA_BINS)
+        alphas = [e.alpha_bin / ALPHA_BINS for e in estimates]
+        n = chooser.choose(estimates, batch)
+        rate = sum(expected_tokens(a, n) for a in alphas) / chooser.costs.cost(batch, n)
+        assert rate == pytest.approx(brute_force(chooser, alphas, batch), rel=1e-9)
+
+
+def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
+    """alpha from truncated runs (the MLE, not accepted / drafted) tracks each request's own
+    acceptance rate, whatever N its verifies used."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    for _ in range(30):
+        alpha, e = r.uniform(0.05, 0.95), AcceptanceEstimate()
+        estimates = []
+        for _ in range(400):
+            n = r.randint(1, NUM_SPEC)
+            chooser.observe(e, accepted_run(r, alpha, n), n)
+            estimates.append(e.alpha_bin / ALPHA_BINS)
+        assert sum(estimates[100:]) / 300 == pytest.approx(alpha, abs=0.08)
+
+
+def test_calibrates_plain_decode_at_each_new_bucket() -> None:
+    """A batch bucket met for the first time decodes (N = 0) for CALIBRATION_STEPS steps unless
+    its decode steps were timed, and again after RECALIBRATE_INTERVAL steps of drafting
+    (CUDA's prior: drafting pays at once)."""
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    one = [AcceptanceEstimate()]
+    assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
+    assert chooser.choose(one, 1) > 0  # the prior trusts a fresh drafter
+    chooser.record_step(2, 0, 0.01)
+    assert chooser.choose(one * 3, 3) > 0  # bucket 2-3: decode timed
+    assert chooser.choose(one * 4, 4) == 0  # bucket 4-7: new
+    chosen = [chooser.choose(one, 1) for _ in range(2 * RECALIBRATE_INTERVAL)]
+    calibrations = [i for i, n in enumerate(chosen) if n == 0]
+    assert len(calibrations) == 2 * CALIBRATION_STEPS, calibrations
+    chooser.record_step(3, 0, 0.01)  # a batch that decodes needs no calibration
+    assert all(chooser.choose(one * 3, 3) for _ in range(RECALIBRATE_INTERVAL - 1))
+
+
+def test_cost_model_prior_scaling_and_clipping(rng) -> None:
+    r = py_random(rng)
+    prior = CostPrior(drafter_overhead=r.uniform(0, 1), per_row=r.uniform(0, 1))
+    model = StepCostModel(prior)
+    batch, decode = r.randint(1, 64), r.uniform(0.001, 0.1)
+    assert model.cost(batch, 3) == prior(batch, 3)  # nothing timed: decode-step units
+    model.record(batch, 0, decode)
+    # Untimed N: the prior's ratio times the bucket's timed decode step.
+    assert model.cost(batch, 5) == pytest.approx(decode * prior(batch, 5))
+    assert model.cost(batch, 0) == decode
+    model.record(batch, 0, 100 * decode)  # an outlier: the median ignores it
+    assert model.cost(batch, 0) == decode
+    for _ in range(COST_WINDOW // 2 + 1):  # a lasting change: followed within a few steps
+        model.record(batch, 0, 2 * decode)
+    assert model.cost(batch, 0) == 2 * decode
+    other = 2 * batch + 1  # another bucket: its own unit
+    assert model.cost(other, 0) == prior(other, 0)
+
+
+def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
+    """'auto' on the CPU: the chooser never drafts from AUTO_CPU_STOP_BATCH requests on, and
+    picks among 0..N below it."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(DraftSchedule.resolve("auto", 2, "cpu"), "cpu")
+    always = AcceptanceEstimate()
+    always.alpha_bin = ALPHA_BINS
+    for _ in range(20):
+        batch = r.randint(1, 40)
+        n = chooser.choose([always] * batch, batch)
+        assert n == 0 if batch >= 4 else n in (0, 2)

@@ -1,0 +1,153 @@
+"""An engine whose draft length changes from step to step inside each request ("auto", and a
+chooser replaced by random picks) stays lossless: greedy output is the target's own, sampled
+tokens follow the target's distribution; the steps' N are counted in SpecDecodeStats."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockdraft import LLM, SamplingParams
+from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS
+
+from checkpoints import make_dflash_drafter, make_predictable_target, make_qwen3_checkpoint
+
+NUM_SPEC = 7
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("draft_length")
+    random_target = make_qwen3_checkpoint(root / "random")
+    agreeing_target = make_predictable_target(root / "agreeing")
+    return {
+        "random": (random_target, make_dflash_drafter(root / "random-d", random_target)),
+        "agreeing": (
+            agreeing_target,
+            make_dflash_drafter(root / "agreeing-d", agreeing_target, agree_with_target=True),
+        ),
+    }
+
+
+def random_prompts(target: Path, rng: torch.Generator, count: int) -> list[list[int]]:
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    lengths = torch.randint(1, 30, (count,), generator=rng).tolist()
+    return [torch.randint(4, vocab, (n,), generator=rng).tolist() for n in lengths]
+
+
+def auto_llm(drafter: Path, target: Path, **kw) -> LLM:
+    """num_speculative_tokens_by_batch left at "auto": N chosen each step in 0..NUM_SPEC."""
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": NUM_SPEC}
+    return LLM(str(target), speculative_config=spec, **kw)
+
+
+def choose_randomly(llm: LLM, rng: torch.Generator) -> list[int]:
+    """Replaces the engine's chooser by a random N in 0..NUM_SPEC each step (past the CPU's
+    batch-size cap: any N is lossless); returns the picks."""
+    r, picks = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))), []
+
+    def choose(estimates, batch: int) -> int:
+        picks.append(r.randint(0, NUM_SPEC))
+        return picks[-1]
+
+    llm.engine.draft_length.choose = choose
+    return picks
+
+
+SETUPS = {
+    "plain": {},
+    "chunked-prefill": dict(max_num_batched_tokens=20),
+    "preemption": dict(block_size=4, num_kv_blocks=30, max_model_len=80),
+}
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+@pytest.mark.parametrize("kind", ["random", "agreeing"])
+def test_greedy_lossless_with_random_n_each_step(pairs, kind: str, setup: str, rng) -> None:
+    target, drafter = pairs[kind]
+    prompts = random_prompts(target, rng, 5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in torch.randint(5, 40, (5,), generator=rng)
+    ]
+    ar = LLM(str(target), **SETUPS[setup]).generate(prompts, params, use_tqdm=False)
+    llm = auto_llm(drafter, target, **SETUPS[setup])
+    picks = choose_randomly(llm, rng)
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
+    stats = llm.engine.spec_stats
+    assert sum(stats.steps_by_num_drafts.values()) == len(picks)
+    assert stats.steps_by_num_drafts == {n: picks.count(n) for n in set(picks)}
+    assert len(stats.drafts_by_num_tokens) > 2, stats.summary()  # N changed inside requests
+    assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(sd, params, strict=True))
+    if kind == "agreeing" and setup != "preemption":
+        assert max(max(o.spec_accept_lengths) for o in sd) > 4
+
+
+def test_sampling_is_lossless_with_random_n_each_step(pairs, rng) -> None:
+    """Seeded samples of the first tokens agree between plain decoding and speculation whose N
+    changes every step (two-sample chi-square on the tokens that come from verifies)."""
+    from scipy.stats import chi2_contingency
+
+    target, drafter = pairs["random"]
+    prompt = [5, 17, 33, 8]
+    num = 2000
+    params = [
+        SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=s)
+        for s in range(num)
+    ]
+    kw = dict(max_num_seqs=512, max_model_len=32)
+    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    llm = auto_llm(drafter, target, **kw)
+    picks = choose_randomly(llm, rng)
+    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    assert len(set(picks)) > 2 and llm.engine.spec_stats.num_drafts > 0
+    for position in (1, 2, 3):
+        a = [o.outputs[0].token_ids[position] for o in ar]
+        s = [o.outputs[0].token_ids[position] for o in sd]
+        values = sorted(set(a) | set(s))
+        table = [[a.count(v) for v in values], [s.count(v) for v in values]]
+        kept = [i for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
+        table = [[row[i] for i in kept] for row in table]
+        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_auto_drafts_the_most_for_an_agreeing_drafter(pairs, rng, temperature: float) -> None:
+    """The real chooser, one request: a drafter that agrees with the target gets the most
+    drafts after the plain-decode calibration, and greedy output is the target's. (Two or more
+    requests on the CPU start at N = 0 from the cost prior and reach the most through probes.)"""
+    target, drafter = pairs["agreeing"]
+    prompts = random_prompts(target, rng, 1)
+    params = SamplingParams(temperature=temperature, max_tokens=80, ignore_eos=True, seed=3)
+    llm = auto_llm(drafter, target)
+    assert llm.engine.draft_length is not None
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.engine.spec_stats
+    # Calibration: the prefill step and the decode steps that time N = 0.
+    assert stats.steps_by_num_drafts.get(0, 0) <= CALIBRATION_STEPS, stats.summary()
+    assert max(stats.steps_by_num_drafts, key=stats.steps_by_num_drafts.get) == NUM_SPEC
+    assert "steps by chosen N" in stats.summary()
+    if temperature == 0:
+        ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
+        assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
+        assert stats.mean_acceptance_length > 6
+
+
+def test_auto_stops_drafting_for_a_drafter_that_never_lands(pairs, rng) -> None:
+    """The real chooser with a random drafter (its drafts almost never accepted): after a few
+    verifies the steps are plain decodes, but for rare probes; the output is the target's."""
+    target, drafter = pairs["random"]
+    prompt = random_prompts(target, rng, 1)
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    llm = auto_llm(drafter, target, max_model_len=256)
+    sd = llm.generate(prompt, params, use_tqdm=False)
+    ar = LLM(str(target), max_model_len=256).generate(prompt, params, use_tqdm=False)
+    assert sd[0].outputs[0].token_ids == ar[0].outputs[0].token_ids
+    steps = llm.engine.spec_stats.steps_by_num_drafts
+    drafting = sum(c for n, c in steps.items() if n)
+    assert steps[0] > 5 * drafting, llm.engine.spec_stats.summary()
