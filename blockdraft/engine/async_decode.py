@@ -22,7 +22,7 @@ import itertools
 from dataclasses import dataclass
 
 from blockdraft.engine.block_manager import BlockManager
-from blockdraft.engine.model_runner import LaunchedStep
+from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import DRAFT_PLACEHOLDER, Sequence
 
@@ -99,3 +99,32 @@ def return_blocks_of_finished(inflight: InflightDecode, block_manager: BlockMana
         for block_id in reversed(inflight.new_blocks.pop(seq)):
             assert block_manager.ref_counts[block_id] == 0
             block_manager.free_blocks.move_to_end(block_id, last=False)
+
+
+def launch_decode_ahead(
+    launched: LaunchedStep,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    block_manager: BlockManager,
+    max_model_len: int,
+) -> InflightDecode | None:
+    """Launches the decode step after `launched`, or None (drain) when it is not known."""
+    chunks = plan_decode_ahead(launched, scheduler, max_model_len)
+    if chunks is None:
+        return None
+    new_blocks = reserve_blocks(block_manager, [c.seq for c in chunks])
+    if new_blocks is None:
+        return None
+    return InflightDecode(runner.launch_decode_ahead(chunks, launched), new_blocks)
+
+
+def live_rows(
+    launched: LaunchedStep, result: StepOutput
+) -> tuple[list[ScheduledChunk], StepOutput]:
+    """The chunks and results of a step launched ahead, less the rows of requests that stopped
+    or were aborted after it was launched."""
+    live = [i for i, c in enumerate(launched.chunks) if not c.seq.is_finished]
+    tokens, accepted = result.new_tokens, result.num_accepted
+    return [launched.chunks[i] for i in live], StepOutput(
+        [tokens[i] for i in live], [accepted[i] for i in live]
+    )

@@ -11,8 +11,8 @@ import torch
 from blockdraft.config import EngineConfig
 from blockdraft.engine.async_decode import (
     InflightDecode,
-    plan_decode_ahead,
-    reserve_blocks,
+    launch_decode_ahead,
+    live_rows,
     return_blocks_of_finished,
 )
 from blockdraft.engine.block_manager import BlockManager
@@ -20,7 +20,7 @@ from blockdraft.engine.cuda_graphs import capture_graphs, default_batch_sizes
 from blockdraft.engine.input_processor import InputProcessor
 from blockdraft.engine.kv_cache import allocate_kv_cache, max_blocks_per_seq, num_kv_blocks
 from blockdraft.engine.model_loader import load_models
-from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
+from blockdraft.engine.model_runner import ModelRunner, StepOutput
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import Sequence
@@ -48,10 +48,11 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len, self.num_spec = loaded.max_model_len, loaded.num_spec
         self.draft_schedule, self.lookahead = loaded.draft_schedule, loaded.lookahead
-        # "auto": N chosen each step from the requests' acceptance and the step costs.
-        self.draft_length: DraftLengthChooser | None = None
-        if self.draft_schedule is not None and self.draft_schedule.is_adaptive:
-            self.draft_length = DraftLengthChooser.for_device(self.draft_schedule, self.device.type)
+        # N per step: the schedule's for the batch size, or ("auto") chosen from the requests'
+        # acceptance and the step costs.
+        self.draft_length = self.draft_schedule and DraftLengthChooser.for_device(
+            self.draft_schedule, self.device.type
+        )
         rate = getattr(config.speculative_config, "synthetic_acceptance_rate", None)
         self.runner = ModelRunner(self.model, config.block_size, self.device, rate)
         self.proposer: DFlashProposer | None = None
@@ -162,24 +163,14 @@ class LLMEngine:
         # Queued before the readback, so the GPU drafts while the host processes the step.
         # N for the batch the next step verifies: every request running now (those the
         # readback will finish included: any N is lossless, verify takes a prefix).
-        num_drafts = self._num_drafts()
+        running = self.scheduler.running
+        num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
         drafts = self.draft_launcher.launch(launched.target_step(), num_drafts)
         self.spec_stats.record_step(num_drafts)
         result = self.runner.finish(launched)  # the step's one device-to-host read
         outputs = self._process_step(chunks, result, drafts)
-        if self.draft_length is not None and all(
-            c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks
-        ):  # a uniform step (no prefill; verified and proposed N): its time is cost(b, N)
-            self.draft_length.record_step(len(chunks), num_drafts, time.perf_counter() - t0)
+        self.draft_length.record_if_uniform(chunks, num_drafts, time.perf_counter() - t0)
         return outputs
-
-    def _num_drafts(self) -> int:
-        """N for the drafts proposed this step: chosen from the running requests' acceptance
-        ("auto"), else the draft schedule's for the batch size."""
-        running = self.scheduler.running
-        if self.draft_length is None:
-            return self.draft_schedule.num_drafts(len(running))
-        return self.draft_length.choose((s.acceptance for s in running), len(running))
 
     def _process_step(
         self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None
@@ -193,8 +184,7 @@ class LLMEngine:
             seq = chunk.seq
             if accepted is not None:
                 self.spec_stats.record(accepted, chunk.num_drafts)
-                if self.draft_length is not None:
-                    self.draft_length.observe(seq.acceptance, accepted, chunk.num_drafts)
+                self.draft_length.observe(seq.acceptance, accepted, chunk.num_drafts)
                 seq.num_computed_tokens = chunk.start + 1 + accepted
                 seq.drafts = None
             else:
@@ -237,30 +227,14 @@ class LLMEngine:
             if not chunks:
                 return []
             launched = self.runner.launch(chunks)
-        self._inflight = self._launch_decode_ahead(launched)
-        result = self.runner.finish(launched)  # still the step's one device-to-host read
-        # Rows of requests that stopped or were aborted after this step was launched ahead.
-        live = [i for i, c in enumerate(launched.chunks) if not c.seq.is_finished]
-        outputs = self._process_step(
-            [launched.chunks[i] for i in live],
-            StepOutput(
-                [result.new_tokens[i] for i in live], [result.num_accepted[i] for i in live]
-            ),
-            None,
+        self._inflight = launch_decode_ahead(
+            launched, self.runner, self.scheduler, self.block_manager, self.max_model_len
         )
+        result = self.runner.finish(launched)  # still the step's one device-to-host read
+        outputs = self._process_step(*live_rows(launched, result), None)
         if self._inflight is not None:
             self._drop_finished_inflight_rows()
         return outputs
-
-    def _launch_decode_ahead(self, launched: LaunchedStep) -> InflightDecode | None:
-        """Launches the decode step after `launched`, or None (drain) when it is not known."""
-        chunks = plan_decode_ahead(launched, self.scheduler, self.max_model_len)
-        if chunks is None:
-            return None
-        new_blocks = reserve_blocks(self.block_manager, [c.seq for c in chunks])
-        if new_blocks is None:
-            return None
-        return InflightDecode(self.runner.launch_decode_ahead(chunks, launched), new_blocks)
 
     def _drop_finished_inflight_rows(self) -> None:
         """Gives back the blocks of the in-flight rows of requests that finished; forgets the

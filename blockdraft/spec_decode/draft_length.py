@@ -199,6 +199,12 @@ class DraftLengthChooser:
         if not num_drafts:
             self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
 
+    def record_if_uniform(self, chunks: list, num_drafts: int, seconds: float) -> None:
+        """A step's wall time, kept when the step was uniform (no prefill; every chunk verified
+        and proposed `num_drafts`): only then is it cost(batch, N)."""
+        if all(c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks):
+            self.record_step(len(chunks), num_drafts, seconds)
+
     def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
         """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
         self.num_steps += 1
