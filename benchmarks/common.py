@@ -107,9 +107,11 @@ def write_dummy_drafter(
     out_dir.mkdir(parents=True, exist_ok=True)
     heads = target_hf["num_attention_heads"]
     n_target = target_hf["num_hidden_layers"]
-    ids = [n_target // 2] if num_layers == 1 else [
-        round(1 + i * (n_target - 4) / (num_layers - 1)) for i in range(num_layers)
-    ]
+    ids = (
+        [n_target // 2]
+        if num_layers == 1
+        else [round(1 + i * (n_target - 4) / (num_layers - 1)) for i in range(num_layers)]
+    )
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "hidden_size": target_hf["hidden_size"],
@@ -138,12 +140,17 @@ def random_drafter_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tens
     shapes = {"fc.weight": (h, h * len(cfg["dflash_config"]["target_layer_ids"]))}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (inter, h),
+                p + "mlp.up_proj.weight": (inter, h),
+                p + "mlp.down_proj.weight": (h, inter),
+            }
+        )
     weights = {name: torch.randn(shape) * std for name, shape in shapes.items()}
     norms = ["hidden_norm.weight", "norm.weight"]
     for i in range(cfg["num_hidden_layers"]):
@@ -154,8 +161,9 @@ def random_drafter_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tens
     return weights
 
 
-def start_requests(llm: object, prompt: list[int], batch: int, temperature: float = 0.0,
-                   warm_steps: int = 3) -> None:
+def start_requests(
+    llm: object, prompt: list[int], batch: int, temperature: float = 0.0, warm_steps: int = 3
+) -> None:
     """Adds `batch` endless requests (`probe0..`; seeded when sampling), runs them past their
     prefill and `warm_steps` more steps: the steps after this are steady ones to time."""
     from blockdraft import SamplingParams

@@ -34,8 +34,11 @@ def hf_model(state_dict: dict, hf_config: dict):
 
 def time_ours(llm: LLM, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    llm.generate([prompt_ids] * batch, SamplingParams(temperature=0, max_tokens=4,
-                                                       ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [prompt_ids] * batch,
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     t0 = now()
     outs = llm.generate([prompt_ids] * batch, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0)
@@ -46,8 +49,9 @@ def time_hf(model, prompt_ids: list[int], batch: int, new_tokens: int) -> float:
     ids = torch.tensor([prompt_ids] * batch)
     model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     t0 = now()
-    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
     return (out.shape[1] - ids.shape[1]) * batch / (now() - t0)
 
 
@@ -77,8 +81,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     ckpt = load_gguf(default_model_path())
     llm = LLM(max_model_len=2048, speculative_config=None, num_threads=args.threads)
-    prompt_ids = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(
-        [{"role": "user", "content": PROMPT}]), add_special_tokens=False)
+    prompt_ids = llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}]),
+        add_special_tokens=False,
+    )
     model = hf_model(ckpt.state_dict, ckpt.hf_config)
     rows, results = [], {"hardware": hardware(), "prompt_tokens": len(prompt_ids)}
     for batch in tqdm([1, 8], desc="decode tok/s"):
@@ -91,17 +97,32 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         drafter = write_dummy_drafter(Path(tmp) / "drafter", ckpt.hf_config, num_layers=1)
         for n in tqdm([3, 7, 15], desc="step-cost ratio"):
-            spec = LLM(max_model_len=2048, num_threads=args.threads, speculative_config={
-                "method": "dflash", "model": str(drafter), "num_speculative_tokens": n})
+            spec = LLM(
+                max_model_len=2048,
+                num_threads=args.threads,
+                speculative_config={
+                    "method": "dflash",
+                    "model": str(drafter),
+                    "num_speculative_tokens": n,
+                },
+            )
             spec_step = mean_step_time(spec, prompt_ids, args.steps)
             ratio_rows.append([n, ar_step * 1e3, spec_step * 1e3, spec_step / ar_step])
             results[f"step_cost_ratio_n{n}"] = spec_step / ar_step
-    print(f"\nhardware: {results['hardware']}; prompt {len(prompt_ids)} tokens, "
-          f"{args.new_tokens} new tokens, greedy")
-    print_table("Decode throughput (tok/s), SmolLM2-135M-Instruct fp32",
-                ["batch", "blockdraft", "transformers", "ratio"], rows)
-    print_table("DFlash step-cost ratio (verify 1+N + draft) / (one decode step), batch 1",
-                ["N", "decode ms", "spec step ms", "ratio"], ratio_rows)
+    print(
+        f"\nhardware: {results['hardware']}; prompt {len(prompt_ids)} tokens, "
+        f"{args.new_tokens} new tokens, greedy"
+    )
+    print_table(
+        "Decode throughput (tok/s), SmolLM2-135M-Instruct fp32",
+        ["batch", "blockdraft", "transformers", "ratio"],
+        rows,
+    )
+    print_table(
+        "DFlash step-cost ratio (verify 1+N + draft) / (one decode step), batch 1",
+        ["N", "decode ms", "spec step ms", "ratio"],
+        ratio_rows,
+    )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

@@ -232,12 +232,24 @@ ABLATION = [
     ("AR", "PDL off", dict(pdl=False), "async"),
     ("DFlash", "defaults (PDL in decode forwards)", {}, ""),
     ("DFlash", "PDL in forwards of <= 16 query rows", dict(pdl_max_query_len=16), ""),
-    ("AR", "split-K decode attention merged by a second kernel",
-     dict(fuse_decode_split_merge=False), "async"),
-    ("AR", "q/k norm + RoPE + KV store in a kernel before attention",
-     dict(rope_in_attention_max_query_len=0), "async"),
-    ("DFlash", "q/k norm + RoPE + KV store in verify / drafter attention",
-     dict(rope_in_attention_max_query_len=16), ""),
+    (
+        "AR",
+        "split-K decode attention merged by a second kernel",
+        dict(fuse_decode_split_merge=False),
+        "async",
+    ),
+    (
+        "AR",
+        "q/k norm + RoPE + KV store in a kernel before attention",
+        dict(rope_in_attention_max_query_len=0),
+        "async",
+    ),
+    (
+        "DFlash",
+        "q/k norm + RoPE + KV store in verify / drafter attention",
+        dict(rope_in_attention_max_query_len=16),
+        "",
+    ),
     ("AR", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), "async"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), ""),
 ]
@@ -405,7 +417,9 @@ def main() -> None:
         "KV store in RoPE)",
     )
     p.add_argument(
-        "--ablate-only", nargs="+", default=None,
+        "--ablate-only",
+        nargs="+",
+        default=None,
         help="with --ablate: rows whose 'engine variant' has one of these",
     )
     p.add_argument(
@@ -524,6 +538,7 @@ def main() -> None:
         b: mean_step_ms(ar, prompt, b, args.steps, log=compiles, phase=f"b. AR step {b}")
         for b in tqdm(args.batches, "AR steps")
     }
+
     def by_concurrency(llm: LLM, label: str) -> dict[int, float]:
         return {
             c: decode_tok_s(
@@ -601,8 +616,14 @@ def main() -> None:
         f"{results['mean_acceptance_length']:.2f}), N=15: fixed (mean acceptance {fixed_tau:.2f})",
         ["concurrency", "AR", "DFlash", "speedup", "DFlash N=15", "speedup N=15"],
         [
-            [c, ar_conc[c], sd_conc[c], sd_conc[c] / ar_conc[c], fixed_conc[c],
-             fixed_conc[c] / ar_conc[c]]
+            [
+                c,
+                ar_conc[c],
+                sd_conc[c],
+                sd_conc[c] / ar_conc[c],
+                fixed_conc[c],
+                fixed_conc[c] / ar_conc[c],
+            ]
             for c in args.concurrency
         ],
     )

@@ -1,6 +1,6 @@
 """Plot gpu_bench.py's JSON: throughput against concurrency, AR vs DFlash, with the roofline.
 
-    python benchmarks/plot_gpu.py results/gpu_bench.json results/gpu_throughput.png
+python benchmarks/plot_gpu.py results/gpu_bench.json results/gpu_throughput.png
 """
 
 from __future__ import annotations
@@ -22,17 +22,29 @@ def main(src: str, dst: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
     ax.plot(levels, [conc["ar"][str(c)] for c in levels], "o-", label="blockdraft AR")
     schedule = " by batch" if "dflash_n15" in conc else ""
-    ax.plot(levels, [conc["dflash"][str(c)] for c in levels], "o-",
-            label=f"DFlash, N{schedule} (τ={r['mean_acceptance_length']:.1f}, synthetic)")
+    ax.plot(
+        levels,
+        [conc["dflash"][str(c)] for c in levels],
+        "o-",
+        label=f"DFlash, N{schedule} (τ={r['mean_acceptance_length']:.1f}, synthetic)",
+    )
     if "dflash_n15" in conc:
-        ax.plot(levels, [conc["dflash_n15"][str(c)] for c in levels], "^:",
-                label=f"DFlash, fixed N = 15 (τ={r['mean_acceptance_length_n15']:.1f})")
+        ax.plot(
+            levels,
+            [conc["dflash_n15"][str(c)] for c in levels],
+            "^:",
+            label=f"DFlash, fixed N = 15 (τ={r['mean_acceptance_length_n15']:.1f})",
+        )
     small = r.get("small_block") or {}
     if small.get("tok_s"):
         levels_small = sorted(int(c) for c in small["tok_s"])
-        ax.plot(levels_small, [small["tok_s"][str(c)] for c in levels_small], "s--",
-                label=f"DFlash at block {small['block_size']} "
-                f"(τ={small['mean_acceptance_length']:.1f})")
+        ax.plot(
+            levels_small,
+            [small["tok_s"][str(c)] for c in levels_small],
+            "s--",
+            label=f"DFlash at block {small['block_size']} "
+            f"(τ={small['mean_acceptance_length']:.1f})",
+        )
     ax.axhline(r["roofline_tok_s"], color="gray", ls="--", label="batch-1 roofline")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

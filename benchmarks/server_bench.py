@@ -122,8 +122,7 @@ async def run_level(url: str, concurrency: int, args: argparse.Namespace) -> dic
     for p in prompts:
         todo.put_nowait(p)
     results: list[dict[str, Any]] = []
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
-                                timeout=3600)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
 
     async def worker() -> None:
         while not todo.empty():
@@ -163,19 +162,27 @@ def spec_metrics(url: str) -> dict[str, float]:
 
 def run_server_bench(args: argparse.Namespace, draft: str | None) -> dict[str, Any]:
     spec = {"method": "dflash", "model": draft} if draft else None
-    engine = LLMEngine(EngineConfig(
-        model=args.model, speculative_config=spec, device=args.device,
-        max_model_len=args.max_model_len, max_num_seqs=max(args.concurrency),
-    ))
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            speculative_config=spec,
+            device=args.device,
+            max_model_len=args.max_model_len,
+            max_num_seqs=max(args.concurrency),
+        )
+    )
     levels = []
     with running_server(engine) as url:
-        asyncio.run(run_level(url, 1, argparse.Namespace(**{**vars(args),
-                                                            "requests_per_level": 1})))  # warmup
+        asyncio.run(
+            run_level(url, 1, argparse.Namespace(**{**vars(args), "requests_per_level": 1}))
+        )  # warmup
         for c in args.concurrency:
             level = asyncio.run(run_level(url, c, args))
             levels.append(level)
-            print(f"  [{'dflash' if draft else 'autoregressive'}] concurrency {c}: "
-                  f"{level['requests_per_s']:.2f} req/s, {level['output_tok_per_s']:.1f} tok/s")
+            print(
+                f"  [{'dflash' if draft else 'autoregressive'}] concurrency {c}: "
+                f"{level['requests_per_s']:.2f} req/s, {level['output_tok_per_s']:.1f} tok/s"
+            )
         spec_stats = spec_metrics(url) if draft else {}
     return {"draft": draft, "levels": levels, "spec_decode": spec_stats}
 
@@ -185,8 +192,9 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--draft", default=None, help="DFlash drafter: compare against autoregressive")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    p.add_argument("--requests-per-level", type=int, default=2,
-                   help="requests per client at each level")
+    p.add_argument(
+        "--requests-per-level", type=int, default=2, help="requests per client at each level"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-tokens")
@@ -203,27 +211,46 @@ def main() -> None:
 
     header = ["concurrency", "req/s", "out tok/s", "mean TTFT s", "mean latency s"]
     for name, run in runs.items():
-        rows = [[lv["concurrency"], lv["requests_per_s"], lv["output_tok_per_s"],
-                 lv["mean_ttft_s"], lv["mean_latency_s"]] for lv in run["levels"]]
-        print_table(f"{name} ({args.model or 'SmolLM2-135M-Instruct'}, {args.device})",
-                    header, rows)
+        rows = [
+            [
+                lv["concurrency"],
+                lv["requests_per_s"],
+                lv["output_tok_per_s"],
+                lv["mean_ttft_s"],
+                lv["mean_latency_s"],
+            ]
+            for lv in run["levels"]
+        ]
+        print_table(
+            f"{name} ({args.model or 'SmolLM2-135M-Instruct'}, {args.device})", header, rows
+        )
     summary: dict[str, Any] = {}
     if args.draft:
         ar, sd = runs["autoregressive"]["levels"], runs["dflash"]["levels"]
         rows = []
         # Greedy speculative decoding is lossless: any text that differs is a bug to look at.
         mismatches = sum(
-            a["texts"][k] != s["texts"].get(k) for a, s in zip(ar, sd, strict=True)
+            a["texts"][k] != s["texts"].get(k)
+            for a, s in zip(ar, sd, strict=True)
             for k in a["texts"]
         )
         for a, s in zip(ar, sd, strict=True):
-            rows.append([a["concurrency"], a["output_tok_per_s"], s["output_tok_per_s"],
-                         s["output_tok_per_s"] / a["output_tok_per_s"]])
-        print_table("DFlash vs autoregressive", ["concurrency", "AR tok/s", "DFlash tok/s",
-                                                 "speedup"], rows)
-        print(f"mean acceptance length: "
-              f"{runs['dflash']['spec_decode'].get('mean_acceptance_length', 0):.2f}; "
-              f"greedy texts differing between the runs: {mismatches}")
+            rows.append(
+                [
+                    a["concurrency"],
+                    a["output_tok_per_s"],
+                    s["output_tok_per_s"],
+                    s["output_tok_per_s"] / a["output_tok_per_s"],
+                ]
+            )
+        print_table(
+            "DFlash vs autoregressive", ["concurrency", "AR tok/s", "DFlash tok/s", "speedup"], rows
+        )
+        print(
+            f"mean acceptance length: "
+            f"{runs['dflash']['spec_decode'].get('mean_acceptance_length', 0):.2f}; "
+            f"greedy texts differing between the runs: {mismatches}"
+        )
         summary = {"text_mismatches": mismatches}
 
     for run in runs.values():

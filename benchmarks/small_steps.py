@@ -41,6 +41,7 @@ from blockdraft import LLM  # noqa: E402
 
 DEFAULT_DRAFTER = Path(__file__).resolve().parent.parent / "blockdraft/assets/smollm2_135m_dflash"
 
+
 def model_dirs(tmp: Path, target_cfg: dict, drafter_dir: Path) -> tuple[Path, Path]:
     """A target directory holding only config.json, and a copy of the drafter's config.json
     (so that `load_format="dummy"` makes both on the device)."""

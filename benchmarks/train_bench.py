@@ -106,8 +106,12 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--response-len", type=int, default=384)
-    p.add_argument("--loss", choices=["both", "float32", "fused"], default=None,
-                   help="loss paths to time (default: both on CUDA, float32 on the CPU)")
+    p.add_argument(
+        "--loss",
+        choices=["both", "float32", "fused"],
+        default=None,
+        help="loss paths to time (default: both on CUDA, float32 on the CPU)",
+    )
     p.add_argument("--tiny", action="store_true", help="a tiny target (CPU smoke run)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -118,8 +122,14 @@ def main() -> None:
     (work / "target").mkdir()
     target = TINY if args.tiny else SMOLLM2_135M
     (work / "target" / "config.json").write_text(json.dumps(target))
-    write_samples(work / "samples.jsonl", 256, target["vocab_size"], args.prompt_len,
-                  args.response_len, seed=0)
+    write_samples(
+        work / "samples.jsonl",
+        256,
+        target["vocab_size"],
+        args.prompt_len,
+        args.response_len,
+        seed=0,
+    )
     rows = [time_config(args, work, b, fused) for b in args.batch_sizes for fused in paths]
     results = {
         "hardware": hardware(),
@@ -138,8 +148,14 @@ def main() -> None:
         f"3-layer drafter, {args.anchors} anchors a sequence, {args.steps} timed steps)",
         ["batch", "loss path", "ms/step", "sequences/s", "first-step loss", "peak GiB"],
         [
-            [r["batch_size"], r["loss_path"], r["ms_per_step"], r["sequences_per_s"],
-             r["first_step_loss"], r["peak_memory_GiB"]]
+            [
+                r["batch_size"],
+                r["loss_path"],
+                r["ms_per_step"],
+                r["sequences_per_s"],
+                r["first_step_loss"],
+                r["peak_memory_GiB"],
+            ]
             for r in rows
         ],
     )

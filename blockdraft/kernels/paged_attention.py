@@ -49,14 +49,13 @@ def _padded_layout(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor,
         seq_of_row = torch.repeat_interleave(
             torch.arange(meta.num_seqs, device=device), query_lens
         )  # [num_tokens]
-        row_in_seq = torch.arange(seq_of_row.shape[0], device=device) - meta.query_start_loc[
-            seq_of_row
-        ]
+        row_in_seq = (
+            torch.arange(seq_of_row.shape[0], device=device) - meta.query_start_loc[seq_of_row]
+        )
         pad_index = seq_of_row * meta.max_query_len + row_in_seq  # [num_tokens]
-        query_pos = (
-            (meta.seq_lens - query_lens)[:, None]
-            + torch.arange(meta.max_query_len, device=device)[None, :]
-        )  # [num_seqs, max_query_len]
+        query_pos = (meta.seq_lens - query_lens)[:, None] + torch.arange(
+            meta.max_query_len, device=device
+        )[None, :]  # [num_seqs, max_query_len]
         key_pos = torch.arange(meta.max_seq_len, device=device)  # [max_seq_len]
         meta.cache["layout"] = (pad_index, query_pos, key_pos)
     return meta.cache["layout"]

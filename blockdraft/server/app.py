@@ -175,15 +175,18 @@ class _Server:
             token.strip().encode(), self.api_key.encode()
         ):
             raise ApiError(
-                401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(
-                404, f"the model '{model[:200]}' does not exist; this server has "
-                f"'{self.model_name}'", param="model", code="model_not_found",
+                404,
+                f"the model '{model[:200]}' does not exist; this server has '{self.model_name}'",
+                param="model",
+                code="model_not_found",
             )
 
     # -- prompts -------------------------------------------------------------------------
@@ -216,8 +219,9 @@ class _Server:
         except ValueError as e:
             raise ApiError(400, str(e)[:500], param=param) from None
         except Exception as e:  # the tokenizer library's own errors, e.g. on lone surrogates
-            raise ApiError(400, f"the {param} could not be tokenized: {e!r}"[:500],
-                           param=param) from None
+            raise ApiError(
+                400, f"the {param} could not be tokenized: {e!r}"[:500], param=param
+            ) from None
 
     # -- generation ----------------------------------------------------------------------
     async def generate(self, request: Request, kind: str) -> Response:
@@ -242,8 +246,10 @@ class _Server:
             handle = await self.engine.add_request(call.request_id, prompt_ids, params)
         except QueueFullError:
             raise ApiError(
-                503, "the server is at capacity and its waiting queue is full; retry later",
-                type="server_overloaded", code="queue_full",
+                503,
+                "the server is at capacity and its waiting queue is full; retry later",
+                type="server_overloaded",
+                code="queue_full",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
         except ValueError as e:
@@ -291,7 +297,8 @@ class _Server:
         else:
             choice["message"] = {"role": "assistant", "content": completion.text}
         choice.update(
-            logprobs=None, finish_reason=completion.finish_reason,
+            logprobs=None,
+            finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
         body: dict[str, Any] = {
@@ -335,8 +342,9 @@ class _Server:
         watcher = asyncio.create_task(_abort_on_disconnect(request, handle))
         reason = "abort"  # what it is unless the loop below completes
         stop = call.req.stop
-        holdback = max((len(s) for s in ([stop] if isinstance(stop, str) else stop or [])),
-                       default=1) - 1
+        holdback = (
+            max((len(s) for s in ([stop] if isinstance(stop, str) else stop or [])), default=1) - 1
+        )
         try:
             if call.kind == "chat":
                 yield _sse(self._chunk(call, "", None, role=True))
@@ -426,8 +434,11 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         server.metrics.record_rejected(exc.status_code)
-        error = ApiError(exc.status_code, str(exc.detail)[:500],
-                         headers=dict(exc.headers) if exc.headers else None)
+        error = ApiError(
+            exc.status_code,
+            str(exc.detail)[:500],
+            headers=dict(exc.headers) if exc.headers else None,
+        )
         return _error_response(error)
 
     @app.exception_handler(RequestValidationError)
@@ -457,8 +468,9 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         if not server.engine.is_alive:
-            return _error_response(ApiError(503, "the engine loop is not running",
-                                            type="server_error"))
+            return _error_response(
+                ApiError(503, "the engine loop is not running", type="server_error")
+            )
         return _json_response({"status": "ok"})
 
     @app.get("/metrics")

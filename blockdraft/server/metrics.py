@@ -25,10 +25,38 @@ from blockdraft.server.async_engine import AsyncEngine
 PREFIX = "blockdraft:"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
 )
 _TOKEN_LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
 )
 
 
@@ -91,14 +119,18 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = Counter(
-            PREFIX + "requests", "Requests that ended, by finish reason",
-            ["finished_reason"], registry=reg,
+            PREFIX + "requests",
+            "Requests that ended, by finish reason",
+            ["finished_reason"],
+            registry=reg,
         )
         for reason in FINISH_REASONS:
             self.requests.labels(reason)  # export zeros before the first request
         self.rejected = Counter(
-            PREFIX + "rejected_requests", "Requests refused before generation, by HTTP status",
-            ["status"], registry=reg,
+            PREFIX + "rejected_requests",
+            "Requests refused before generation, by HTTP status",
+            ["status"],
+            registry=reg,
         )
         self.prompt_tokens = Counter(
             PREFIX + "prompt_tokens", "Prompt tokens of requests that ended", registry=reg
@@ -107,17 +139,22 @@ class ServerMetrics:
             PREFIX + "generation_tokens", "Tokens generated for requests that ended", registry=reg
         )
         self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Arrival to first output token",
-            buckets=_LATENCY_BUCKETS, registry=reg,
+            PREFIX + "time_to_first_token_seconds",
+            "Arrival to first output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
         )
         self.time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Per request: time after the first token divided by the tokens after it",
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=reg,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=reg,
         )
         self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Arrival to last output token",
-            buckets=_LATENCY_BUCKETS, registry=reg,
+            PREFIX + "e2e_request_latency_seconds",
+            "Arrival to last output token",
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
         )
         reg.register(_EngineCollector(engine))
 

@@ -132,8 +132,11 @@ class ChatCompletionRequest(_CommonRequest):
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise ApiError(400, "give max_tokens or max_completion_tokens, not both",
-                           param="max_completion_tokens")
+            raise ApiError(
+                400,
+                "give max_tokens or max_completion_tokens, not both",
+                param="max_completion_tokens",
+            )
         return self.max_completion_tokens or self.max_tokens
 
 
