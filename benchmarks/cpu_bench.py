@@ -104,6 +104,7 @@ def main() -> None:
                     "method": "dflash",
                     "model": str(drafter),
                     "num_speculative_tokens": n,
+                    "num_speculative_tokens_by_batch": None,
                 },
             )
             spec_step = mean_step_time(spec, prompt_ids, args.steps)

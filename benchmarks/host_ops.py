@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
     (target / "config.json").write_text(json.dumps(TINY_QWEN3))
     drafter = write_dummy_drafter(tmp / "drafter", TINY_QWEN3, num_layers=1, with_weights=False)
     kw = dict(device="cpu", load_format="dummy", max_model_len=1024)
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": args.num_drafts}
+    spec = {
+        "method": "dflash",
+        "model": str(drafter),
+        "num_speculative_tokens": args.num_drafts,
+        "num_speculative_tokens_by_batch": None,
+    }
     engines = {
         "AR": LLM(str(target), **kw),
         "DFlash": LLM(str(target), speculative_config=spec, **kw),

@@ -50,6 +50,7 @@ def test_bench_reports_acceptance_and_speed(tmp_path: Path, capsys) -> None:
             "method": "dflash",
             "model": str(drafter),
             "num_speculative_tokens": 15,
+            "num_speculative_tokens_by_batch": None,  # whole blocks, every step
         },
     )
     ar = LLM(str(target))

@@ -104,7 +104,14 @@ def test_lossless_and_accepting() -> None:
 @pytest.mark.slow
 def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
     # z-lab's loop drafts whole blocks: so does the engine with N = block_size - 1.
-    llm = LLM(max_model_len=512, speculative_config={**DEFAULT_SPEC, "num_speculative_tokens": 15})
+    llm = LLM(
+        max_model_len=512,
+        speculative_config={
+            **DEFAULT_SPEC,
+            "num_speculative_tokens": 15,
+            "num_speculative_tokens_by_batch": None,
+        },
+    )
     question = random_questions(1)[0]
     text = llm.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     prompt = llm.tokenizer.encode(text, add_special_tokens=False)

@@ -454,6 +454,7 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(
             "method": "dflash",
             "model": str(tmp_path / "out"),
             "num_speculative_tokens": 7,
+            "num_speculative_tokens_by_batch": None,  # drafts from the first step
         },
     )
     seen: list[torch.Tensor] = []
