@@ -160,7 +160,6 @@ def main(argv: list[str] | None = None) -> dict:
             "model": str(drafter),
             "num_speculative_tokens": n,
             "num_speculative_tokens_by_batch": None,
-            "num_speculative_tokens_by_batch": None,
             "synthetic_acceptance_rate": args.accept,
         }
         engines.append(("DFlash", n, {"speculative_config": spec}))  # fmt: skip
