@@ -52,6 +52,8 @@ INITIAL_ALPHA = 0.6
 INITIAL_PRIOR_WEIGHT = 10.0
 # Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects).
 PRIOR_WEIGHT = 2.0
+# The expected rate gain over plain decoding that a step must promise to draft at all.
+MIN_DRAFT_GAIN = 0.03
 # Step times kept per (bucket, N); the estimate is their (lower) median.
 COST_WINDOW = 5
 # Plain-decode steps timed the first time a batch bucket is met (the first one after a change
@@ -222,7 +224,9 @@ class DraftLengthChooser:
         best, best_rate = 0, 0.0
         for n in allowed:
             tokens = sum(c * self.expected[b][n] for b, c in counts.items())
-            rate = tokens / self.costs.cost(batch, n)
+            # Drafting must beat plain decoding by a margin: step costs are measured, and
+            # noise alone must not keep a batch drafting when nothing is accepted.
+            rate = tokens / self.costs.cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
             if rate > best_rate:
                 best, best_rate = n, rate
         if best:

@@ -15,6 +15,7 @@ from blockdraft.spec_decode.draft_length import (
     CALIBRATION_STEPS,
     COST_WINDOW,
     MAX_PROBE_INTERVAL,
+    MIN_DRAFT_GAIN,
     PROBE_INTERVAL,
     RECALIBRATE_INTERVAL,
     AcceptanceEstimate,
@@ -123,11 +124,15 @@ def test_recovers_after_probes_when_text_becomes_predictable(rng) -> None:
 
 
 def brute_force(chooser: DraftLengthChooser, alphas: list[float], batch: int) -> float:
-    """The best expected tokens per second over every allowed N, at exact alphas."""
+    """The best expected tokens per second over every allowed N, at exact alphas, drafting
+    only where it gains MIN_DRAFT_GAIN over plain decoding."""
     allowed = chooser.schedule.allowed(chooser.schedule.num_drafts(batch))
-    return max(
-        sum(expected_tokens(a, n) for a in alphas) / chooser.costs.cost(batch, n) for n in allowed
-    )
+    return max(rate(chooser, alphas, batch, n) for n in allowed)
+
+
+def rate(chooser: DraftLengthChooser, alphas: list[float], batch: int, n: int) -> float:
+    tokens = sum(expected_tokens(a, n) for a in alphas)
+    return tokens / chooser.costs.cost(batch, n) / (1 + MIN_DRAFT_GAIN * (n > 0))
 
 
 def test_choice_maximises_expected_tokens_per_second(rng) -> None:
@@ -142,8 +147,9 @@ def test_choice_maximises_expected_tokens_per_second(rng) -> None:
             e.alpha_bin = r.randint(0, ALPHA_BINS)
         alphas = [e.alpha_bin / ALPHA_BINS for e in estimates]
         n = chooser.choose(estimates, batch)
-        rate = sum(expected_tokens(a, n) for a in alphas) / chooser.costs.cost(batch, n)
-        assert rate == pytest.approx(brute_force(chooser, alphas, batch), rel=1e-9)
+        assert rate(chooser, alphas, batch, n) == pytest.approx(
+            brute_force(chooser, alphas, batch), rel=1e-9
+        )
 
 
 def test_estimate_converges_to_the_acceptance_rate(rng) -> None:

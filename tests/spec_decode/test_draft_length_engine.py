@@ -150,4 +150,6 @@ def test_auto_stops_drafting_for_a_drafter_that_never_lands(pairs, rng) -> None:
     assert sd[0].outputs[0].token_ids == ar[0].outputs[0].token_ids
     steps = llm.engine.spec_stats.steps_by_num_drafts
     drafting = sum(c for n, c in steps.items() if n)
-    assert steps[0] > 5 * drafting, llm.engine.spec_stats.summary()
+    # The engine-wide prior (0.6 for a fresh drafter) keeps the first ~20 steps drafting, and
+    # step times are measured: at least three plain decodes for each drafting step.
+    assert steps[0] > 3 * drafting, llm.engine.spec_stats.summary()
