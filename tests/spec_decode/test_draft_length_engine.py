@@ -14,23 +14,7 @@ import torch
 from blockdraft import LLM, SamplingParams
 from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS
 
-from checkpoints import make_dflash_drafter, make_predictable_target, make_qwen3_checkpoint
-
 NUM_SPEC = 7
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("draft_length")
-    random_target = make_qwen3_checkpoint(root / "random")
-    agreeing_target = make_predictable_target(root / "agreeing")
-    return {
-        "random": (random_target, make_dflash_drafter(root / "random-d", random_target)),
-        "agreeing": (
-            agreeing_target,
-            make_dflash_drafter(root / "agreeing-d", agreeing_target, agree_with_target=True),
-        ),
-    }
 
 
 def random_prompts(target: Path, rng: torch.Generator, count: int) -> list[list[int]]:

@@ -14,24 +14,8 @@ from blockdraft.engine.cuda_graphs import default_batch_sizes
 from blockdraft.kernels.forward_context import PAD_SLOT_ID
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, bucket_of, default_num_drafts
 
-from checkpoints import make_dflash_drafter, make_predictable_target, make_qwen3_checkpoint
-
 # N = 7 while fewer than 3 requests run, N = 3 from 3 on.
 SCHEDULE = {1: 7, 3: 3}
-
-
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
-    root = tmp_path_factory.mktemp("schedule")
-    random_target = make_qwen3_checkpoint(root / "random")
-    agreeing_target = make_predictable_target(root / "agreeing")
-    return {
-        "random": (random_target, make_dflash_drafter(root / "random-d", random_target)),
-        "agreeing": (
-            agreeing_target,
-            make_dflash_drafter(root / "agreeing-d", agreeing_target, agree_with_target=True),
-        ),
-    }
 
 
 def random_prompt(target: Path, length: int, rng: torch.Generator) -> list[int]:
