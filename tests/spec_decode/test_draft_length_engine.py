@@ -34,8 +34,14 @@ def choose_randomly(llm: LLM, rng: torch.Generator) -> list[int]:
     batch-size cap: any N is lossless); returns the picks."""
     r, picks = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))), []
 
+    rounds: list[int] = []
+
     def choose(estimates, batch: int) -> int:
-        picks.append(r.randint(0, NUM_SPEC))
+        # Shuffled rounds of every N, so a short run still sees them all (independent draws
+        # missed some N often enough to fail the variety checks below).
+        if not rounds:
+            rounds.extend(r.sample(range(NUM_SPEC + 1), NUM_SPEC + 1))
+        picks.append(rounds.pop())
         return picks[-1]
 
     llm.engine.draft_length.choose = choose
