@@ -104,7 +104,10 @@ def test_most_drafts_when_they_always_land(rng) -> None:
     chooser = chooser_with_costs(r, range(1, 9), r.uniform(0.1, 0.5), r.uniform(0.005, 0.05))
     estimates = [AcceptanceEstimate() for _ in range(batch)]
     chosen = run(chooser, estimates, [1.0] * batch, r, 40)
-    assert chosen[3:] == [NUM_SPEC] * 37, chosen
+    # At the fresh prior (alpha 0.6) an expensive drafter may not pay yet: the first probe's
+    # full acceptance must then lift the batch to the largest N within a few steps.
+    settled = PROBE_INTERVAL + 4
+    assert chosen[settled:] == [NUM_SPEC] * (40 - settled), chosen
     assert all(e.alpha_bin == ALPHA_BINS for e in estimates)
 
 
@@ -164,7 +167,9 @@ def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
             n = r.randint(1, NUM_SPEC)
             chooser.observe(e, accepted_run(r, alpha, n), n)
             estimates.append(e.alpha_bin / ALPHA_BINS)
-        assert sum(estimates[100:]) / 300 == pytest.approx(alpha, abs=0.08)
+        # The estimate is shrunk towards the engine-wide prior (PRIOR_WEIGHT observations
+        # against ~5 verifies of memory): up to ~0.09 off at the ends of the range.
+        assert sum(estimates[100:]) / 300 == pytest.approx(alpha, abs=0.11)
 
 
 def test_calibrates_plain_decode_at_each_new_bucket() -> None:
