@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import now, print_table  # noqa: E402
-from benchmarks.gpu_bench import dflash_llm, qwen3_8b_dirs  # noqa: E402
+from benchmarks.gpu_bench import dflash_llm  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import SamplingParams  # noqa: E402
 
 
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--accept", type=float, default=0.86)
     args = p.parse_args()
-    target, drafter = qwen3_8b_dirs()
+    target, drafter = SHAPES["qwen3-8b"].dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
     kw = dict(
         load_format="dummy",

@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
-from benchmarks.gpu_bench import mean_step_ms, qwen3_8b_dirs  # noqa: E402
+from benchmarks.gpu_bench import mean_step_ms  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import LLM  # noqa: E402
 from blockdraft.kernels.forward_context import get_attention_metadata  # noqa: E402
 from blockdraft.layers.linear import linear  # noqa: E402
@@ -74,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_breakdown.py needs a CUDA device")
-    target, _ = qwen3_8b_dirs()
+    target, _ = SHAPES["qwen3-8b"].dirs()
     kw = dict(load_format="dummy", max_model_len=args.prompt_len + 320, max_num_seqs=8)
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
     rows = []

@@ -1,6 +1,8 @@
-"""GPU benchmark on Qwen3-8B shapes with random bf16 weights made on the device.
+"""GPU benchmark on a model shape (benchmarks/shapes.py; Qwen3-8B by default) with random bf16
+weights made on the device.
 
-    python benchmarks/gpu_bench.py [--prompt-len 512] [--new-tokens 256] [--json out.json]
+    python benchmarks/gpu_bench.py [--shape qwen3-8b] [--prompt-len 512] [--new-tokens 256]
+        [--json out.json]
 
 a. batch-1 autoregressive decode tok/s: ours (through `generate`, and steady: one over the
    decode step of b.), the memory-bandwidth roofline (weight bytes /
@@ -25,7 +27,6 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,39 +42,10 @@ from benchmarks.common import (  # noqa: E402
     print_table,
     start_requests,
     stop_requests,
-    write_dummy_drafter,
 )
+from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
-
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
-    "vocab_size": 151936,
-    "hidden_size": 4096,
-    "intermediate_size": 12288,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "max_position_embeddings": 40960,
-    "tie_word_embeddings": False,
-    "attention_bias": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-def qwen3_8b_dirs() -> tuple[Path, Path]:
-    """A temporary Qwen3-8B directory (config only: `load_format="dummy"`) and a 5-layer
-    DFlash drafter for it (config only too)."""
-    tmp = Path(tempfile.mkdtemp())
-    target = tmp / "qwen3-8b"
-    target.mkdir()
-    (target / "config.json").write_text(json.dumps(QWEN3_8B))
-    drafter = write_dummy_drafter(tmp / "drafter", QWEN3_8B, num_layers=5, with_weights=False)
-    return target, drafter
 
 
 def load_skinny_configs(path: str) -> None:
@@ -98,15 +70,6 @@ def copy_bandwidth() -> float:
     elapsed = now() - t0
     del x, y
     return 2 * 2 * 1024**3 * 10 / elapsed  # bytes read + written per second
-
-
-def weight_bytes(cfg: dict) -> int:
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
-    # The embedding is gathered (one row per token), the LM head read whole.
-    return 2 * (layers * per_layer + cfg["vocab_size"] * h)
 
 
 def shipped_drafter_bench(
@@ -383,6 +346,7 @@ def hf_and_zlab(model_dir: Path, prompt: list[int], new_tokens: int) -> tuple[fl
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
@@ -493,11 +457,13 @@ def main() -> None:
     results["conc_tokens"] = conc_tokens
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
     results["kernel_policy"] = dataclasses.asdict(policy)
-    target, drafter = qwen3_8b_dirs()
+    shape = SHAPES[args.shape]
+    results["shape"] = shape.name
+    target, drafter = shape.dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
 
     bandwidth = copy_bandwidth()
-    roofline = bandwidth / weight_bytes(QWEN3_8B)
+    roofline = bandwidth / shape.bytes_per_token(shape.config)
     results["copy_bandwidth_TBps"] = bandwidth / 1e12
     results["roofline_tok_s"] = roofline
     kw = dict(
@@ -591,7 +557,8 @@ def main() -> None:
     }
 
     print(
-        f"\n{results['hardware']}, {results['date']}; Qwen3-8B shapes, random bf16 weights, "
+        f"\n{results['hardware']}, {results['date']}; {results['shape']} shapes, "
+        "random bf16 weights, "
         f"prompt {args.prompt_len}, {args.new_tokens} new tokens ({conc_tokens} in c)"
     )
     # The generate figure includes each call's start and its prefix-cached prefill; the steady

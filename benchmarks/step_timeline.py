@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import start_requests, stop_requests  # noqa: E402
-from benchmarks.gpu_bench import dflash_llm, qwen3_8b_dirs  # noqa: E402
+from benchmarks.gpu_bench import dflash_llm  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import LLM  # noqa: E402
 
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -91,7 +92,7 @@ def main() -> None:
         sys.exit("step_timeline.py needs a CUDA device")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, drafter = qwen3_8b_dirs()
+    target, drafter = SHAPES["qwen3-8b"].dirs()
     prompt = torch.randint(1000, 100_000, (512,)).tolist()
     kw = dict(load_format="dummy", max_model_len=832, max_num_seqs=32)
     results = {}

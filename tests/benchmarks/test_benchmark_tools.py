@@ -1,5 +1,6 @@
 """Shared benchmark tools (benchmarks/common.py) that do not need a GPU to be checked."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -227,3 +228,18 @@ def test_decode_breakdown_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr("sys.argv", ["decode_breakdown.py"])
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         decode_breakdown.main()
+
+
+def test_bench_shapes_write_a_config_the_engine_parses_and_count_decode_bytes() -> None:
+    """Every gpu_bench shape's target config resolves to a model family and its drafter dir is
+    written; the roofline bytes exceed the LM head's alone."""
+    from benchmarks.shapes import SHAPES
+    from blockdraft.models.registry import resolve_architecture
+
+    for shape in SHAPES.values():
+        target, drafter = shape.dirs()
+        hf = json.loads((target / "config.json").read_text())
+        resolve_architecture(hf).parse_config(hf)
+        assert (drafter / "config.json").exists()
+        lm_head = 2 * hf["vocab_size"] * hf["hidden_size"]
+        assert shape.bytes_per_token(shape.config) > lm_head
