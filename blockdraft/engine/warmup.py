@@ -81,6 +81,9 @@ def warm_up_eager_steps(
             for n in num_drafts:
                 draft_launcher.launch(step.target_step(), n)
         runner.finish(step)
+    if draft_launcher is not None:
+        # Writes the context N = 0 deferred: into the warm-up's own blocks, before any request.
+        draft_launcher.write_deferred()
     for n in num_drafts if draft_launcher is not None else []:
         if n:
             probe = Sequence("warmup", None, [0], sampled, seed=0, max_tokens=1)

@@ -10,18 +10,30 @@ and such a request simply drops its drafts. Its drafter block p .. p+N lies in b
 scheduler reserved for a caught-up request (`Scheduler._capacity_needed`), so it writes only
 the request's own slots. A chunk that does not complete (mid-prefill) writes its context and
 drafts nothing.
+
+While the batch drafts nothing (N = 0, chosen when drafts would not pay), the committed rows'
+context K/V is deferred: their features are kept and written in one batched pass when drafting
+resumes or DEFERRED_CONTEXT_MAX_ROWS rows wait. A step at N = 0 then costs what plain decoding
+costs: the drafter's projections of one row each step are weight-bound, while a batched write
+of many rows reads the same weights once. Deferred rows are written before any later context
+write and before any drafter forward (the only reader), so the cache ends as if written at
+once, even where a finished request's freed blocks pass to another request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.runtime.host_batch import int64_tensors, padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch
 from blockdraft.spec_decode.proposer import DFlashProposer
+
+# Deferred context rows written at once at the latest; bounds the kept features' memory.
+DEFERRED_CONTEXT_MAX_ROWS = 64
 
 
 @dataclass
@@ -44,6 +56,23 @@ class TargetStep:
 
 
 @dataclass
+class DeferredContext:
+    """Committed rows whose drafter context K/V is not written yet."""
+
+    features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
+    positions: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
+    slots: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
+    num_rows: int = 0
+
+    def add(self, features: torch.Tensor, inputs: DFlashInputs) -> None:
+        # Copies: the features and index buffers are reused by the next step.
+        self.features.append(features.clone())
+        self.positions.append(inputs.context_positions.clone())
+        self.slots.append(inputs.context_slot_mapping.clone())
+        self.num_rows += features.shape[0]
+
+
+@dataclass
 class LaunchedDrafts:
     batch: DraftBatch  # on the device, one row per proposer
     proposers: list[int]  # the chunk of each row
@@ -55,8 +84,21 @@ class DraftLauncher:
         proposer: DFlashProposer,
         sampling: SamplingTensorCache,
         device: torch.device,
+        defer_context: bool = True,
     ) -> None:
         self.proposer, self.sampling, self.device = proposer, sampling, device
+        self.defer_context = defer_context
+        self.deferred = DeferredContext()
+
+    def write_deferred(self) -> None:
+        """Writes the deferred context rows in one pass (nothing when none wait)."""
+        d = self.deferred
+        if not d.num_rows:
+            return
+        self.proposer.drafter.write_context(
+            torch.cat(d.features), torch.cat(d.positions), torch.cat(d.slots)
+        )
+        self.deferred = DeferredContext()
 
     def launch(self, step: TargetStep, num_drafts: int) -> LaunchedDrafts | None:
         """Queues context K/V for every committed row of `step`, then N drafts for each request
@@ -64,6 +106,10 @@ class DraftLauncher:
         back."""
         verify = set(step.verify)
         num_chunks = len(step.starts)
+        rows = step.row_ends[-1]
+        defer = self.defer_context and not num_drafts
+        if not defer or self.deferred.num_rows + rows > DEFERRED_CONTEXT_MAX_ROWS:
+            self.write_deferred()
         proposers = [i for i, done in enumerate(step.completes) if done] if num_drafts else []
         tables = padded_block_tables(step.block_tables)
         # Committed rows known on the host: a prefill chunk's all, a verify's anchor (its
@@ -109,7 +155,9 @@ class DraftLauncher:
         uniform = num_props == len(step.verify) == num_chunks and all(
             n == q for n in step.query_lens
         )
-        if not uniform:
+        if defer:
+            self.deferred.add(step.features[:rows], inputs)
+        elif not uniform:
             self.proposer.write_context(step.features, inputs)
         if not proposers:
             return None

@@ -118,8 +118,9 @@ def test_auto_drafts_the_most_for_an_agreeing_drafter(pairs, rng, temperature: f
     assert llm.engine.draft_length is not None
     sd = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.spec_stats
-    # Calibration: the prefill step and the decode steps that time N = 0.
-    assert stats.steps_by_num_drafts.get(0, 0) <= CALIBRATION_STEPS, stats.summary()
+    # Calibration: the prefill step and the decode steps that time N = 0; step times are
+    # measured, so a noisy first timing may cost a probe or two more.
+    assert stats.steps_by_num_drafts.get(0, 0) <= CALIBRATION_STEPS + 2, stats.summary()
     assert max(stats.steps_by_num_drafts, key=stats.steps_by_num_drafts.get) == NUM_SPEC
     assert "steps by chosen N" in stats.summary()
     if temperature == 0:
@@ -143,3 +144,47 @@ def test_auto_stops_drafting_for_a_drafter_that_never_lands(pairs, rng) -> None:
     # The engine-wide prior (0.6 for a fresh drafter) keeps the first ~20 steps drafting, and
     # step times are measured: at least three plain decodes for each drafting step.
     assert steps[0] > 3 * drafting, llm.engine.spec_stats.summary()
+
+
+def choose_in_runs(llm: LLM, r: random.Random) -> list[int]:
+    """Replaces the engine's chooser by runs of N = 0 (2 to 8 steps) between steps that draft
+    a random N; returns the picks."""
+    picks: list[int] = []
+    plan: list[int] = []
+
+    def choose(estimates, batch: int) -> int:
+        if not plan:
+            plan.extend([0] * r.randint(2, 8) + [r.randint(1, NUM_SPEC)] * r.randint(1, 3))
+        picks.append(plan.pop(0))
+        return picks[-1]
+
+    llm.engine.draft_length.choose = choose
+    return picks
+
+
+@pytest.mark.parametrize("setup", ["plain", "preemption"])
+def test_deferred_context_equals_eager_context(pairs, rng, setup: str) -> None:
+    """The drafter context K/V that steps at N = 0 defer (written in one pass when drafting
+    resumes or the batch changes) leaves the same drafter cache and acceptance as writing it
+    at every step; the same random N sequence drives both runs."""
+    target, drafter = pairs["agreeing"]
+    prompts = random_prompts(target, rng, 4)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    runs = []
+    for defer in (True, False):
+        llm = auto_llm(drafter, target, **SETUPS[setup])
+        llm.engine.draft_launcher.defer_context = defer
+        picks = choose_in_runs(llm, random.Random(seed))
+        out = llm.generate(prompts, params, use_tqdm=False)
+        # Rows still deferred after the last step are written by the next launch, before any
+        # read of their blocks.
+        llm.engine.draft_launcher.write_deferred()
+        layers = llm.engine.proposer.drafter.attention_layers
+        caches = [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
+        runs.append((picks, [o.spec_accept_lengths for o in out], caches))
+    (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = runs
+    assert picks == eager_picks and picks.count(0) > 5
+    assert accepted == eager_accepted
+    for got, expected in zip(caches, eager_caches, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
