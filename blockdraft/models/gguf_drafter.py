@@ -73,15 +73,16 @@ LAYER_TENSORS: dict[str, str] = {
 }
 OPTIONAL_TENSORS = {"token_embd.weight", "output.weight", "d2t"}
 
-# What a tensor name (its last part) marks that this loader does not run.
+# What a tensor name (its last part) marks that this loader does not run; any other unknown
+# tensor is refused as well. Names: src/llama-arch.cpp and src/models/dflash.cpp.
 UNSUPPORTED_TENSORS: dict[str, str] = {
     "attn_sinks": "per-head attention sinks (attention_sink_bias)",
     "markov_w1": "a DSpark Markov head",
     "markov_w2": "a DSpark Markov head",
     "conf_proj": "a DSpark confidence head",
     "selector_hidden": "a DFlash2 candidate selector",
-    "selector_prev": "a DFlash2 candidate selector",
-    "selector_next": "a DFlash2 candidate selector",
+    "selector_predecessor": "a DFlash2 candidate selector",
+    "selector_successor": "a DFlash2 candidate selector",
     "attn_conv_base": "DFlash2 convolutions",
     "attn_conv_proj": "DFlash2 convolutions",
     "ffn_conv_base": "DFlash2 convolutions",
@@ -91,7 +92,6 @@ UNSUPPORTED_TENSORS: dict[str, str] = {
 UNSUPPORTED_METADATA: dict[str, tuple[object, str]] = {
     "dflash.sample_from_anchor": (False, "drafting at the anchor slot (DSpark)"),
     "dflash.hyper_connection.count": (0, "a DeepSeek-V4 (hyper-connection) backbone"),
-    "dflash.selector_rank": (0, "a DFlash2 candidate selector"),
     "dflash.logit_scale": (1.0, "scaled drafter logits"),
     "dflash.final_logit_softcapping": (0.0, "soft-capped drafter logits"),
     "dflash.embedding_scale": (1.0, "scaled input embeddings"),

@@ -51,7 +51,11 @@ def _llama_cpp_name(name: str) -> str:
 
 
 def write_drafter_gguf(
-    path: Path, drafter_dir: Path, zlab_config: dict, extra: dict | None = None
+    path: Path,
+    drafter_dir: Path,
+    zlab_config: dict,
+    extra: dict | None = None,
+    tensors: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """What llama.cpp's converter writes for the drafter at `drafter_dir` (z-lab names, or a
     speculators dir's with d2t; t2d is dropped as the converter drops it)."""
@@ -86,6 +90,8 @@ def write_drafter_gguf(
             w.add_tensor("d2t", tensor.numpy().astype(np.int64))
         else:
             w.add_tensor(_llama_cpp_name(name), tensor.float().numpy())
+    for name, array in (tensors or {}).items():
+        w.add_tensor(name, array.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -217,7 +223,6 @@ def test_beside_a_gguf_target(files, rng) -> None:
     "extra, message",
     [
         ({"dflash.sample_from_anchor": True}, "sample_from_anchor"),
-        ({"dflash.selector_rank": 64}, "DFlash2"),
         ({"dflash.hyper_connection.count": 4}, "hyper_connection"),
         ({"dflash.logit_scale": 0.5}, "logit_scale"),
         ({"dflash.target_hidden_size": 128}, "target_hidden_size 128"),
@@ -229,7 +234,25 @@ def test_unsupported_variants_are_named(files, tmp_path: Path, extra, message) -
         LLM(str(files["target"]), speculative_config=spec(path))
 
 
-def test_unsupported_tensors_and_layer_ids_are_named(files, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("blk.0.attn_sinks.weight", "attention sinks"),
+        ("selector_hidden.weight", "DFlash2 candidate selector"),
+        ("blk.1.attn_conv_base", "DFlash2 convolutions"),
+        ("markov_w1.weight", "DSpark Markov head"),
+        ("blk.0.attn_qkv.weight", "not part of a DFlash drafter"),
+    ],
+)
+def test_unsupported_tensors_are_named(files, tmp_path: Path, name: str, message: str) -> None:
+    path = write_drafter_gguf(
+        tmp_path / "bad.gguf", files["zlab"], files["config"], tensors={name: np.zeros(4)}
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(str(files["target"]), speculative_config=spec(path))
+
+
+def test_bad_headers_are_named(files, tmp_path: Path) -> None:
     from blockdraft.models.gguf_drafter import read_gguf_drafter
 
     cfg = json.loads(json.dumps(files["config"]))
@@ -237,17 +260,12 @@ def test_unsupported_tensors_and_layer_ids_are_named(files, tmp_path: Path) -> N
     path = write_drafter_gguf(tmp_path / "layers.gguf", files["zlab"], cfg)
     with pytest.raises(ValueError, match=r"target_layers \[0, 4\] must be >= 1"):
         read_gguf_drafter(str(path))
-    w = gguf.GGUFWriter(str(tmp_path / "sinks.gguf"), "dflash")
-    w.add_tensor("blk.0.attn_sinks.weight", np.zeros(4, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ValueError, match="attention sinks"):
-        read_gguf_drafter(str(tmp_path / "sinks.gguf"))
     w = gguf.GGUFWriter(str(tmp_path / "target.gguf"), "qwen3")
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
     with pytest.raises(ValueError, match="a DFlash drafter GGUF has 'dflash'"):
         read_gguf_drafter(str(tmp_path / "target.gguf"))
+    (tmp_path / "short.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="not a valid GGUF file"):
+        read_gguf_drafter(str(tmp_path / "short.gguf"))
