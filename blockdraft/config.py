@@ -36,7 +36,7 @@ def default_kernel_policy() -> KernelPolicy:
 
 @dataclass
 class SpeculativeConfig:
-    model: str  # DFlash drafter directory; "default": the drafter shipped for the default target
+    model: str  # drafter directory or .gguf; "default": the drafter shipped for the default target
     method: str = "dflash"
     # default: the drafter's block_size - 1; at most 2 on the CPU (draft_schedule.py says why)
     num_speculative_tokens: int | None = None
@@ -240,11 +240,14 @@ def check_model_path(model: str) -> None:
 
 
 def check_drafter_path(model: str) -> None:
-    """A drafter is a directory in z-lab's format: config.json and model.safetensors."""
+    """A drafter is a directory (z-lab's or vLLM speculators' format: config.json and
+    safetensors) or a llama.cpp .gguf file."""
     if not isinstance(model, str | os.PathLike):
         raise ValueError(f"the drafter's model must be a path (str), got {model!r}")
     path = Path(model).expanduser()
-    fix = "give a DFlash drafter directory (config.json, model.safetensors), or 'default'"
+    fix = "give a DFlash drafter directory (config.json, model.safetensors), a .gguf, or 'default'"
+    if path.is_file() and path.suffix == ".gguf":
+        return
     if not path.is_dir():
         raise ValueError(f"drafter directory {model!r} does not exist: {fix}")
     if not (path / "config.json").is_file():

@@ -816,3 +816,70 @@ def zlab_first_draft_logits(
         use_cache=True,
     )[:, 1 - block :, :]
     return drafter.compute_logits(hidden, zlab._output_head(target))[0]
+
+
+def make_speculators_drafter(
+    out_dir: Path,
+    zlab_dir: Path,
+    target_dir: Path,
+    draft_token_ids: list[int] | None = None,
+) -> Path:
+    """The z-lab drafter at ``zlab_dir`` in vLLM's speculators format (what speculators'
+    ``DFlashConverter`` writes): ``config.json`` with ``speculators_model_type: "dflash"``, the
+    draft layers' Qwen3 config as ``transformer_layer_config`` (only fields that differ from
+    Qwen3Config's defaults, as older transformers' ``to_diff_dict`` wrote it),
+    ``aux_hidden_state_layer_ids`` = z-lab's ``target_layer_ids`` + 1, and ``speculators_config``;
+    the weights add the target's ``embed_tokens`` and the target's ``lm_head`` rows of the draft
+    vocabulary. ``draft_token_ids`` (sorted, distinct): a reduced draft vocabulary of those target
+    tokens, with ``d2t`` (draft row -> offset to the target id) and ``t2d`` (target mask)."""
+    out_dir = Path(out_dir)
+    zlab = _read_config(zlab_dir)
+    target = _read_tensors(target_dir)
+    vocab = int(zlab["vocab_size"])
+    block_size = int(zlab["block_size"])
+    defaults = Qwen3Config().to_dict()
+    layer = {
+        k: v
+        for k, v in zlab.items()
+        if k
+        not in ("architectures", "auto_map", "block_size", "dflash_config", "num_target_layers")
+        and (k not in defaults or defaults[k] != v or k == "model_type")
+    }
+    ids = list(range(vocab)) if draft_token_ids is None else list(draft_token_ids)
+    tensors = dict(load_file(zlab_dir / "model.safetensors"))
+    tensors["embed_tokens.weight"] = target["model.embed_tokens.weight"].clone()
+    tensors["lm_head.weight"] = target["lm_head.weight"][ids].clone()
+    if draft_token_ids is not None:
+        index = torch.tensor(ids, dtype=torch.int64)
+        tensors["d2t"] = index - torch.arange(len(ids))
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, index, True)
+    config = {
+        "architectures": ["DFlashSpeculator"],
+        "speculators_model_type": "dflash",
+        "speculators_version": "0.4.0",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": len(ids),
+        "block_size": block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in zlab["dflash_config"]["target_layer_ids"]],
+        "mask_token_id": zlab["dflash_config"]["mask_token_id"],
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": block_size - 1,
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": str(target_dir), "architectures": ["Qwen3ForCausalLM"]},
+        },
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir

@@ -6,20 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from blockdraft.config import EngineConfig
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
+from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
     read_checkpoint,
-    read_json,
 )
 from blockdraft.models.registry import resolve_architecture
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
@@ -70,7 +69,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     spec = config.speculative_config
     draft_cfg, num_spec, draft_schedule = None, 0, None
     if spec is not None:  # a drafter that does not fit fails here, before any weights load
-        draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
+        draft_cfg = DFlashConfig.from_hf(read_drafter_checkpoint(spec.model).hf_config)
         draft_cfg.check_fits(target_cfg)
         num_spec = spec.num_speculative_tokens or default_num_drafts(
             draft_cfg.block_size, device.type

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear
 from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.models.draft_vocab import draft_token_ids, scatter_draft_logits
 from blockdraft.models.llama import DecoderLayer, DecoderLM, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 
@@ -37,12 +37,15 @@ class DFlashConfig:
     block_size: int
     mask_token_id: int
     target_layer_ids: tuple[int, ...]
-    num_target_layers: int
+    num_target_layers: int | None  # None: not recorded (formats that list the layer ids only)
     layer_causal: tuple[bool, ...]
     layer_window: tuple[int | None, ...]
     input_embedding_scale: float
     output_multiplier: float
     final_logit_softcapping: float | None
+    # A reduced draft vocabulary (vLLM speculators, llama.cpp `d2t`): the drafter's own head
+    # scores this many target tokens, whose ids the checkpoint's `d2t` lists. None: all of them.
+    draft_vocab_size: int | None = None
 
     @classmethod
     def from_hf(cls, hf: dict) -> DFlashConfig:
@@ -65,11 +68,18 @@ class DFlashConfig:
         if value("mask_token_id") is None:
             raise ValueError("drafter config has no mask_token_id (in dflash_config)")
         num_target_layers = value("num_target_layers")
-        if num_target_layers is None:
-            raise ValueError("drafter config has no num_target_layers")
         layer_ids = value("target_layer_ids")
         if layer_ids is None:
+            if num_target_layers is None:
+                raise ValueError(
+                    "drafter config has neither target_layer_ids nor num_target_layers"
+                )
             layer_ids = default_target_layer_ids(int(num_target_layers), body.num_layers)
+        draft_vocab = value("draft_vocab_size")
+        if draft_vocab is not None and not 0 < int(draft_vocab) <= body.vocab_size:
+            raise ValueError(
+                f"draft_vocab_size {draft_vocab} must be in 1..vocab_size ({body.vocab_size})"
+            )
         layer_types = hf.get("layer_types") or ["full_attention"] * body.num_layers
         if len(layer_types) != body.num_layers:
             raise ValueError(
@@ -92,12 +102,13 @@ class DFlashConfig:
             block_size=int(value("block_size", 16)),
             mask_token_id=int(value("mask_token_id")),
             target_layer_ids=tuple(int(i) for i in layer_ids),
-            num_target_layers=int(num_target_layers),
+            num_target_layers=None if num_target_layers is None else int(num_target_layers),
             layer_causal=tuple(causal),
             layer_window=tuple(windows),
             input_embedding_scale=float(value("input_embedding_scale", 1.0) or 1.0),
             output_multiplier=float(value("output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
+            draft_vocab_size=(None if draft_vocab in (None, body.vocab_size) else int(draft_vocab)),
         )
 
     def check_fits(self, target: TransformerConfig) -> None:
@@ -138,6 +149,14 @@ class DFlashDrafter(nn.Module):
         # Shared with the target (and frozen) unless the checkpoint ships its own.
         self.embed_tokens = target.model.embed_tokens
         self.lm_head = target.lm_head
+        # A reduced draft vocabulary always comes with its own head, over those tokens only.
+        draft_vocab = cfg.draft_vocab_size
+        if draft_vocab is not None:
+            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+        self.register_buffer(
+            "draft_token_ids",  # [D] int64, the target id of each draft-vocabulary row
+            None if draft_vocab is None else torch.arange(draft_vocab),
+        )
         # The kernel the layers use (unless the RoPE kernel stores: fuse_kv_store_into_rope).
         self._store_kv = PerDevice(get_store_kv_backend)
 
@@ -178,6 +197,8 @@ class DFlashDrafter(nn.Module):
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
+        if self.draft_token_ids is not None:
+            logits = scatter_draft_logits(logits, self.draft_token_ids, self.cfg.body.vocab_size)
         return logits
 
 
@@ -190,31 +211,31 @@ def load_drafter(
     dummy: bool = False,
     cfg: DFlashConfig | None = None,
 ) -> DFlashDrafter:
-    """Builds the drafter for `target` from a z-lab checkpoint directory (or random weights);
-    `cfg` is the directory's config when the caller has already read it."""
-    from blockdraft.models.loader import (
-        init_dummy_weights,
-        iter_checkpoint_tensors,
-        load_weights,
-        read_checkpoint,
-        read_json,
-    )
+    """Builds the drafter for `target` from a checkpoint (a z-lab or vLLM speculators directory,
+    or a llama.cpp GGUF; see `drafter_checkpoint`) or random weights; `cfg` is the checkpoint's
+    config when the caller has already read it."""
+    from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
+    from blockdraft.models.loader import init_dummy_weights, load_weights
 
+    ckpt = read_drafter_checkpoint(path)
     if cfg is None:
-        cfg = DFlashConfig.from_hf(read_json(Path(path) / "config.json"))
+        cfg = DFlashConfig.from_hf(ckpt.hf_config)
     cfg.check_fits(target.cfg)
     with torch.device(device):
         drafter = DFlashDrafter(cfg, target, max_positions).to(dtype)
-    shared = ("embed_tokens.", "lm_head.")
+    # The target's, unless the checkpoint ships its own (a reduced vocabulary always does).
+    shared = ("embed_tokens.", "lm_head.") if cfg.draft_vocab_size is None else ("embed_tokens.",)
     if dummy:
-        for module in (drafter.layers, drafter.fc, drafter.hidden_norm, drafter.norm):
+        own = [drafter.layers, drafter.fc, drafter.hidden_norm, drafter.norm]
+        for module in own + ([] if "lm_head." in shared else [drafter.lm_head]):
             init_dummy_weights(module)
     else:
-        tensors = dict(iter_checkpoint_tensors(read_checkpoint(path)))
+        tensors = dict(ckpt.read_tensors())
+        _load_draft_vocab(drafter, tensors.pop("d2t", None), tensors.pop("t2d", None), path)
         if "embed_tokens.weight" in tensors:  # the drafter ships its own embedding
             with torch.device(device):
                 drafter.embed_tokens = nn.Embedding(*tensors["embed_tokens.weight"].shape).to(dtype)
-        if "lm_head.weight" in tensors:  # ... or its own LM head
+        if "lm_head.weight" in tensors and cfg.draft_vocab_size is None:  # ... or its own head
             vocab, hidden = tensors["lm_head.weight"].shape
             with torch.device(device):
                 drafter.lm_head = nn.Linear(hidden, vocab, bias=False).to(dtype)
@@ -226,3 +247,29 @@ def load_drafter(
         load_weights(params, tensors.items(), path, ignore=lambda name: "rotary_emb" in name)
     drafter.eval().requires_grad_(False)
     return drafter
+
+
+def _load_draft_vocab(
+    drafter: DFlashDrafter,
+    d2t: torch.Tensor | None,  # [D] offsets to the target ids, if the checkpoint has them
+    t2d: torch.Tensor | None,  # [V] mask of the target tokens with a draft row
+    path: str,
+) -> None:
+    vocab, draft_vocab = drafter.cfg.body.vocab_size, drafter.cfg.draft_vocab_size
+    if draft_vocab is None:
+        # Full-vocabulary checkpoints may still carry identity maps, which change nothing.
+        if d2t is not None and d2t.to(torch.int64).any():
+            raise ValueError(f"{path}: d2t remaps tokens, but draft_vocab_size is vocab_size")
+        return
+    if d2t is None:
+        raise ValueError(
+            f"{path}: draft_vocab_size {draft_vocab} < vocab_size {vocab}, but the checkpoint "
+            "has no d2t tensor mapping the draft vocabulary to target ids"
+        )
+    if d2t.shape != (draft_vocab,):
+        raise ValueError(f"{path}: d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+    try:
+        ids = draft_token_ids(d2t, t2d, vocab)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    drafter.draft_token_ids.copy_(ids)

@@ -92,6 +92,8 @@ class TrainConfig:
             check_model_path(self.model)
         if self.init_drafter is not None:
             check_drafter_path(self.init_drafter)
+            if not Path(self.init_drafter).expanduser().is_dir():
+                raise ValueError(f"init_drafter {self.init_drafter!r}: give a z-lab directory")
         if self.eval_prompts is not None and not Path(self.eval_prompts).is_file():
             raise ValueError(f"eval prompt file {self.eval_prompts} does not exist")
         if self.attention == "auto":

@@ -656,3 +656,7 @@ def test_grown_drafter_starts_as_the_trained_one(
     assert loaded.layers[3].self_attn.o_proj.weight.abs().sum() > 0  # it trained
     with pytest.raises(ValueError, match="grow_layers"):
         train_config(setup, tmp_path / "bad", grow_layers=1)
+    gguf_drafter = tmp_path / "drafter.gguf"  # the engine loads these; training starts from z-lab's
+    gguf_drafter.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="give a z-lab directory"):
+        train_config(setup, tmp_path / "bad", init_drafter=str(gguf_drafter))
