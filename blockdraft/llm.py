@@ -71,6 +71,7 @@ class LLM:
         if engine is None:
             return
         on_cuda = engine.device.type == "cuda"
+        engine.shutdown()  # its tensor-parallel workers, if any
         # The engine's parts reference each other (the drafter's step callback holds the
         # engine), so dropping the engine alone frees nothing until the garbage collector runs,
         # and a new engine sized from free GPU memory would find the old one still there.

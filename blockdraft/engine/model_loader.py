@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.config import EngineConfig
+from blockdraft.config import EngineConfig, check_tensor_parallel_shape
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
 from blockdraft.models.llama import DecoderLM
@@ -18,6 +18,7 @@ from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
+    param_shards,
     read_checkpoint,
     read_json,
 )
@@ -59,6 +60,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     ckpt = read_checkpoint(model_path, config.load_format)
     architecture = resolve_architecture(ckpt.hf_config)
     target_cfg = architecture.parse_config(ckpt.hf_config)
+    check_tensor_parallel_shape(config.tensor_parallel_size, "the target", target_cfg)
     if (config.max_model_len or 0) > target_cfg.max_position_embeddings:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's "
@@ -72,6 +74,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     if spec is not None:  # a drafter that does not fit fails here, before any weights load
         draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
         draft_cfg.check_fits(target_cfg)
+        check_tensor_parallel_shape(config.tensor_parallel_size, "the drafter", draft_cfg.body)
         num_spec = spec.num_speculative_tokens or default_num_drafts(
             draft_cfg.block_size, device.type
         )
@@ -94,9 +97,10 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     if config.load_format == "dummy":
         init_dummy_weights(model)
     else:
+        params = dict(model.named_parameters())
         load_weights(
-            dict(model.named_parameters()),
-            iter_checkpoint_tensors(ckpt),
+            params,
+            iter_checkpoint_tensors(ckpt, param_shards(params)),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

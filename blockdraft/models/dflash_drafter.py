@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import current_tensor_parallel
 from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear
 from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.layers.vocab_parallel import embedding, gather_logits, lm_head
 from blockdraft.models.llama import DecoderLayer, DecoderLM, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 
@@ -122,9 +124,14 @@ class DFlashConfig:
 
 
 class DFlashDrafter(nn.Module):
+    """Under tensor parallelism the draft layers shard as the target's do (their heads and
+    intermediate features split, and their K/V cache with them); `fc` and the norms, whose
+    inputs are the target's features (the same on every rank), are replicated."""
+
     def __init__(self, cfg: DFlashConfig, target: DecoderLM, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = current_tensor_parallel()
         body = dataclasses.replace(cfg.body, max_position_embeddings=max_positions)
         rotary = RotaryEmbedding(body.head_dim, max_positions, body.rope_theta, body.rope_scaling)
         self.layers = nn.ModuleList(
@@ -172,7 +179,10 @@ class DFlashDrafter(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
         # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
         # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).
-        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        if self.tp is not None:  # every rank's vocabulary slice, on every rank
+            logits = gather_logits(self.tp, logits, self.cfg.body.vocab_size)
+        logits = logits.float()
         if self.cfg.output_multiplier != 1.0:  # a pass over [R, V] floats: skip when it is 1
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
@@ -193,9 +203,11 @@ def load_drafter(
     """Builds the drafter for `target` from a z-lab checkpoint directory (or random weights);
     `cfg` is the directory's config when the caller has already read it."""
     from blockdraft.models.loader import (
+        checkpoint_tensor_names,
         init_dummy_weights,
         iter_checkpoint_tensors,
         load_weights,
+        param_shards,
         read_checkpoint,
         read_json,
     )
@@ -210,19 +222,20 @@ def load_drafter(
         for module in (drafter.layers, drafter.fc, drafter.hidden_norm, drafter.norm):
             init_dummy_weights(module)
     else:
-        tensors = dict(iter_checkpoint_tensors(read_checkpoint(path)))
-        if "embed_tokens.weight" in tensors:  # the drafter ships its own embedding
-            with torch.device(device):
-                drafter.embed_tokens = nn.Embedding(*tensors["embed_tokens.weight"].shape).to(dtype)
-        if "lm_head.weight" in tensors:  # ... or its own LM head
-            vocab, hidden = tensors["lm_head.weight"].shape
-            with torch.device(device):
-                drafter.lm_head = nn.Linear(hidden, vocab, bias=False).to(dtype)
+        ckpt = read_checkpoint(path)
+        names = set(checkpoint_tensor_names(ckpt))
+        vocab, hidden = cfg.body.vocab_size, cfg.body.hidden_size
+        with torch.device(device):
+            if "embed_tokens.weight" in names:  # the drafter ships its own embedding
+                drafter.embed_tokens = embedding(vocab, hidden).to(dtype)
+            if "lm_head.weight" in names:  # ... or its own LM head
+                drafter.lm_head = lm_head(hidden, vocab).to(dtype)
         params = {
             name: p
             for name, p in drafter.named_parameters()
-            if not name.startswith(shared) or name in tensors
+            if not name.startswith(shared) or name in names
         }
-        load_weights(params, tensors.items(), path, ignore=lambda name: "rotary_emb" in name)
+        tensors = iter_checkpoint_tensors(ckpt, param_shards(params))
+        load_weights(params, tensors, path, ignore=lambda name: "rotary_emb" in name)
     drafter.eval().requires_grad_(False)
     return drafter
