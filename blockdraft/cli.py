@@ -83,6 +83,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "shared with other busy processes, 1 avoids a many-fold slowdown)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="GPUs (CPU processes) the model is split over; the engine starts the workers",
+    )
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | str | None:
@@ -140,6 +146,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

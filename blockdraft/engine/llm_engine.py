@@ -20,7 +20,7 @@ from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.cuda_graphs import capture_graphs, default_batch_sizes
 from blockdraft.engine.input_processor import InputProcessor
 from blockdraft.engine.kv_cache import allocate_kv_cache, max_blocks_per_seq, num_kv_blocks
-from blockdraft.engine.model_loader import load_models
+from blockdraft.engine.model_loader import check_tensor_parallel, load_models
 from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
@@ -46,6 +46,7 @@ class LLMEngine:
         starts the workers."""
         self.workers: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1 and tp is None:
+            check_tensor_parallel(config)  # before any worker starts
             self.workers = TensorParallelWorkers(config)
             tp = self.workers.tp
         try:

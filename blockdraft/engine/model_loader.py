@@ -51,6 +51,19 @@ def lookahead_rows(num_spec: int) -> int:
     return num_spec + 1 if num_spec else 0
 
 
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """`load_models`' tensor-parallel shape checks from the config files alone, for the driver
+    to run before it starts workers (a GGUF target is checked when it loads)."""
+    size = config.tensor_parallel_size
+    if config.model is not None and Path(config.model).is_dir():
+        hf = read_json(Path(config.model) / "config.json")
+        check_tensor_parallel_shape(size, "the target", resolve_architecture(hf).parse_config(hf))
+    spec = config.speculative_config
+    if spec is not None:
+        draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
+        check_tensor_parallel_shape(size, "the drafter", draft_cfg.body)
+
+
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     model_path = config.model
     if model_path is None:
