@@ -291,9 +291,19 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its directory does not exist")
     sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
-    dflash = LLM(**kwargs)
-    print(f"blockdraft: {describe_engine(dflash.engine, dflash.threads)}", file=sys.stderr)
-    ar = LLM(**{**kwargs, "speculative_config": None})
+    def make_dflash() -> LLM:
+        llm = LLM(**kwargs)
+        print(f"blockdraft: {describe_engine(llm.engine, llm.threads)}", file=sys.stderr)
+        return llm
+
+    def make_ar() -> LLM:
+        return LLM(**{**kwargs, "speculative_config": None})
+
+    if kwargs["tensor_parallel_size"] > 1:  # one engine at a time (see run_bench)
+        ar, dflash = make_ar, make_dflash
+    else:
+        dflash = make_dflash()
+        ar = make_ar()
     results = run_bench(
         ar, dflash, sets, args.temperatures, args.max_tokens, args.seed, args.repeats
     )
