@@ -291,6 +291,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its directory does not exist")
     sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
+
     def make_dflash() -> LLM:
         llm = LLM(**kwargs)
         print(f"blockdraft: {describe_engine(llm.engine, llm.threads)}", file=sys.stderr)

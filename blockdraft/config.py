@@ -132,9 +132,8 @@ class EngineConfig:
         if self.num_threads is not None and not is_positive_int(self.num_threads):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
         if not is_positive_int(self.tensor_parallel_size):
-            raise ValueError(
-                f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"
-            )
+            size = self.tensor_parallel_size
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         self.device = resolve_device(self.device)
         if self.tensor_parallel_size > 1 and self.async_decode:
             raise ValueError(

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import multiprocessing.connection
 import sys
 import threading
@@ -44,13 +43,11 @@ import torch.distributed as dist
 from blockdraft.config import EngineConfig, tensor_parallel_devices
 from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.kernels.forward_context import use_kernel_policy
 from blockdraft.engine.sequence import Sequence
+from blockdraft.kernels.forward_context import use_kernel_policy
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import LaunchedDrafts
 from blockdraft.spec_decode.drafts import PendingDrafts
-
-logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 # A live peer that does not answer a collective for this long is stuck: the collective fails.
@@ -217,9 +214,9 @@ class TensorParallelWorkers:
 
     @contextlib.contextmanager
     def failing_loudly(self) -> Iterator[None]:
-        """Around a step: any failure in it (a worker died, a collective failed) stops the
-        workers, whose next collectives would no longer match the driver's, and raises; a
-        dead worker is named."""
+        """Around a step: any failure in it (a worker died, a collective failed, an interrupt)
+        stops the workers, whose next collectives would no longer match the driver's, and
+        raises a RuntimeError that names a dead worker (an interrupt goes on as it is)."""
         if self._state.failed is not None:
             raise RuntimeError(self._state.failed)
         try:
@@ -237,6 +234,8 @@ class TensorParallelWorkers:
             )
             self._state.failed = f"{message}; the engine stopped: start a new one"
             self.shutdown()
+            if not isinstance(e, Exception):
+                raise
             raise RuntimeError(self._state.failed) from e
 
     def shutdown(self) -> None:
@@ -295,9 +294,7 @@ def _stop_workers(state: _DriverState) -> None:
 
 
 # -- the worker process ---------------------------------------------------------------------
-def _worker_main(
-    rank: int, size: int, port: int, config: EngineConfig, num_threads: int
-) -> None:
+def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_threads: int) -> None:
     """A worker's life: join the group, build the engine's rank shard, run the driver's steps
     until it says stop. Errors are printed and end the process (the driver sees it exit)."""
     torch.set_num_threads(num_threads)
@@ -316,6 +313,8 @@ def _worker_main(
         config.device = device
         engine = LLMEngine(config, tp=tp)
         WorkerLoop(engine, control).run()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the driver's too
+        sys.exit(130)
     except Exception as e:
         print(f"blockdraft tensor-parallel worker rank {rank} failed: {e!r}", file=sys.stderr)
         traceback.print_exc()

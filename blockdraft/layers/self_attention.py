@@ -24,9 +24,7 @@ from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
 
 
-def head_shards(
-    tp: TensorParallel, num_heads: int, num_kv_heads: int
-) -> tuple[int, int, int, int]:
+def head_shards(tp: TensorParallel, num_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
     """(first query head, query heads, first KV head, KV heads) of this rank: the query heads
     split evenly, the KV heads too, or, when the ranks outnumber them, the one KV head of this
     rank's query heads' group (config.check_tensor_parallel_shape checks the divisibility)."""
@@ -183,6 +181,7 @@ class SelfAttention(nn.Module):
         else:
             q, k = self.norm_rope(positions, q, k)
             out = self.attn(q, k, v)
+        o_proj = self.o_proj
         if self.tp is not None:
-            return row_parallel_linear(self.tp, out.flatten(1), self.o_proj.weight, self.o_proj.bias)
-        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+            return row_parallel_linear(self.tp, out.flatten(1), o_proj.weight, o_proj.bias)
+        return linear(out.flatten(1), o_proj.weight, o_proj.bias)

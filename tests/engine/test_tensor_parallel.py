@@ -111,6 +111,18 @@ def test_killed_worker_makes_the_engine_raise(models) -> None:
     assert not dist.is_initialized()
 
 
+def test_one_process_builds_no_group(models) -> None:
+    """N = 1 is the engine without tensor parallelism: no workers, no group, torch's own
+    embedding and head, no layer that holds a group."""
+    llm = LLM(str(models["qwen3"]), speculative_config={"model": str(models["drafter"])})
+    engine = llm.engine
+    assert engine.workers is None and engine.tp is None and not dist.is_initialized()
+    assert type(engine.model.model.embed_tokens) is torch.nn.Embedding
+    modules = [*engine.model.modules(), *engine.proposer.drafter.modules()]
+    assert all(getattr(m, "tp", None) is None for m in modules)
+    llm.shutdown()
+
+
 # -- errors before any worker starts -----------------------------------------------------------
 
 
@@ -217,9 +229,10 @@ def test_each_rank_loads_its_slices(models, size: int) -> None:
                 if shard is None:  # replicated: the whole tensor
                     assert torch.equal(p, tensors[name]), name
                     continue
-                held = p.narrow(shard.dim, 0, shard.stop - shard.start)
+                n = shard.stop - shard.start
+                held = p.narrow(shard.dim, 0, n)
                 assert torch.equal(held, tensors[name][shard.index()]), name
-                assert not p.narrow(shard.dim, held.shape[shard.dim], p.shape[shard.dim] - held.shape[shard.dim]).any()  # fmt: skip
+                assert not p.narrow(shard.dim, n, p.shape[shard.dim] - n).any(), name  # padding
                 covered.setdefault(name, []).append(held)
     assert covered["model.embed_tokens.weight"][0].shape[0] == -(-VOCAB // size)
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight",
