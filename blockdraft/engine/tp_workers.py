@@ -18,9 +18,9 @@ Failures end the engine rather than hang it: a worker that dies (killed, or an e
 it prints before exiting) is seen by a watcher thread of the driver, which aborts an NCCL group
 so that a collective waiting for it returns; gloo collectives fail as soon as the peer's
 sockets close. The step that fails raises a RuntimeError naming the worker, and the engine
-stops the others. A driver that dies closes its sockets, and the workers' wait for the next
-plan fails and they exit. `shutdown` (the engine's, at `LLM` shutdown, deletion or exit) sends
-the workers a stop and joins them, terminating any that do not stop.
+stops the others. A worker whose driver dies exits at once (a watcher thread of its own).
+`shutdown` (the engine's, at `LLM` shutdown, deletion or exit) sends the workers a stop and
+joins them, killing any that do not stop.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing.connection
+import os
 import sys
 import threading
 import time
@@ -298,6 +299,7 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_thre
     """A worker's life: join the group, build the engine's rank shard, run the driver's steps
     until it says stop. Errors are printed and end the process (the driver sees it exit)."""
     torch.set_num_threads(num_threads)
+    threading.Thread(target=_exit_with_driver, daemon=True).start()
     try:
         device = tensor_parallel_devices(config.device, size)[rank]
         if torch.device(device).type == "cuda":
@@ -323,6 +325,13 @@ def _worker_main(rank: int, size: int, port: int, config: EngineConfig, num_thre
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+
+
+def _exit_with_driver() -> None:
+    """Ends the worker as soon as the driver's process ends, whatever the worker waits for (a
+    collective on NCCL would otherwise wait for its timeout)."""
+    multiprocessing.connection.wait([multiprocessing.parent_process().sentinel])
+    os._exit(1)
 
 
 class WorkerLoop:

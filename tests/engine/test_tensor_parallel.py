@@ -1,11 +1,13 @@
 """Tensor parallelism on the CPU (gloo): 2 and 4 ranks give the tokens of one process, greedy
 and seeded-sampled, with and without DFlash; a killed worker makes the engine raise at once;
-sizes that do not split the models fail before any worker starts; each rank loads only its
-slice of every sharded tensor."""
+workers exit when their driver dies; sizes that do not split the models fail before any worker
+starts; each rank loads only its slice of every sharded tensor."""
 
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -243,3 +245,43 @@ def test_each_rank_loads_its_slices(models, size: int) -> None:
     # Two KV heads: split over 2 ranks, each replicated on 2 of 4.
     k = "model.layers.0.self_attn.k_proj.weight"
     assert torch.equal(torch.cat(covered[k][:: max(size // 2, 1)]), full[k])
+
+
+DRIVER = """
+import sys, time
+import torch
+from blockdraft import LLM
+torch.set_num_threads(1)
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], speculative_config=None, num_threads=1, tensor_parallel_size=2)
+    print(*llm.engine.workers.pids, flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_driver_dies(models, tmp_path) -> None:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    driver = subprocess.Popen(
+        [sys.executable, str(script), str(models["qwen3"])], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        (pid,) = map(int, driver.stdout.readline().split())
+    finally:
+        driver.kill()
+        driver.wait()
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its dead parent's reaper) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
