@@ -217,7 +217,7 @@ def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
     if heads % size:
         problems.append(f"its {heads} attention heads")
     if kv_heads % size and size % kv_heads:
-        problems.append(f"its {kv_heads} KV heads (nor do they divide {size})")
+        problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
     if inter % size:
         problems.append(f"its intermediate_size {inter}")
     if problems:
