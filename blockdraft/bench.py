@@ -8,6 +8,7 @@ import importlib.util
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,8 +93,8 @@ def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, l
 
 
 def run_bench(
-    ar: LLM,
-    dflash: LLM,
+    ar: LLM | Callable[[], LLM],
+    dflash: LLM | Callable[[], LLM],
     prompt_sets: dict[str, list[str]],
     temperatures: list[float],
     max_tokens: int,
@@ -102,33 +103,51 @@ def run_bench(
 ) -> list[SetResult]:
     """Per set and temperature: τ and its histogram (first pass), and each engine's median
     tok/s over `repeats` passes, the engines taking turns (AR, DFlash, AR, ...) so that a drift
-    of the machine's speed falls on both."""
+    of the machine's speed falls on both. Engines given as functions that make them run one
+    after the other instead, each shut down after its passes: tensor-parallel engines, as a
+    process drives one group of workers at a time."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    results = []
     jobs = [(name, t) for name in prompt_sets for t in temperatures]
     # One untimed request per engine and temperature first: the first pass over a path
     # compiles its kernels (Triton, on a GPU), which would otherwise land in the first set.
     first = next((ps[0] for ps in prompt_sets.values() if ps), None)
-    for temperature in temperatures if first is not None else []:
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        for llm in (ar, dflash):
+
+    def warm_up(llm: LLM) -> None:
+        for temperature in temperatures if first is not None else []:
+            params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
             _run(llm, [first], params)
-    for name, temperature in tqdm(jobs, desc="bench"):
-        prompts = prompt_sets[name]
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        ar_rates, sd_rates, lengths = [], [], []
-        for i in range(repeats):
-            ar_rates.append(_run(ar, prompts, params)[0])
-            sd_tok_s, pass_lengths = _run(dflash, prompts, params)
-            sd_rates.append(sd_tok_s)
-            lengths = lengths if i else pass_lengths
-        ar_tok_s, sd_tok_s = statistics.median(ar_rates), statistics.median(sd_rates)
+
+    def one_pass(llm: LLM, job: tuple[str, float]) -> tuple[float, list[int]]:
+        params = SamplingParams(temperature=job[1], max_tokens=max_tokens, seed=seed)
+        return _run(llm, prompt_sets[job[0]], params)
+
+    # passes[engine][job]: (tok/s, acceptance lengths) of each repeat
+    passes: list[list[list[tuple[float, list[int]]]]] = [[[] for _ in jobs] for _ in range(2)]
+    if not callable(ar):
+        for llm in (ar, dflash):
+            warm_up(llm)
+        for j, job in enumerate(tqdm(jobs, desc="bench")):
+            for _ in range(repeats):
+                for e, llm in enumerate((ar, dflash)):
+                    passes[e][j].append(one_pass(llm, job))
+    else:
+        for e, make in enumerate((ar, dflash)):
+            with make() as llm:
+                warm_up(llm)
+                for j, job in enumerate(tqdm(jobs, desc=f"bench {('AR', 'DFlash')[e]}")):
+                    passes[e][j] = [one_pass(llm, job) for _ in range(repeats)]
+    results = []
+    for j, (name, temperature) in enumerate(jobs):
+        ar_tok_s = statistics.median(r for r, _ in passes[0][j])
+        sd_tok_s = statistics.median(r for r, _ in passes[1][j])
+        lengths = passes[1][j][0][1]
         hist: dict[int, int] = {}
         for k in lengths:
             hist[k] = hist.get(k, 0) + 1
         tau = sum(lengths) / len(lengths) if lengths else 0.0
-        results.append(SetResult(name, temperature, len(prompts), ar_tok_s, sd_tok_s, tau, hist))
+        n = len(prompt_sets[name])
+        results.append(SetResult(name, temperature, n, ar_tok_s, sd_tok_s, tau, hist))
     return results
 
 

@@ -83,6 +83,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "shared with other busy processes, 1 avoids a many-fold slowdown)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=_positive_int,
+        default=1,
+        help="GPUs (CPU processes) the model is split over; the engine starts the workers",
+    )
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | str | None:
@@ -140,6 +146,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         seed=args.seed,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 
@@ -284,9 +291,20 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its directory does not exist")
     sets = {name: load_prompt_set(name, args.num_prompts) for name in args.sets}
-    dflash = LLM(**kwargs)
-    print(f"blockdraft: {describe_engine(dflash.engine, dflash.threads)}", file=sys.stderr)
-    ar = LLM(**{**kwargs, "speculative_config": None})
+
+    def make_dflash() -> LLM:
+        llm = LLM(**kwargs)
+        print(f"blockdraft: {describe_engine(llm.engine, llm.threads)}", file=sys.stderr)
+        return llm
+
+    def make_ar() -> LLM:
+        return LLM(**{**kwargs, "speculative_config": None})
+
+    if kwargs["tensor_parallel_size"] > 1:  # one engine at a time (see run_bench)
+        ar, dflash = make_ar, make_dflash
+    else:
+        dflash = make_dflash()
+        ar = make_ar()
     results = run_bench(
         ar, dflash, sets, args.temperatures, args.max_tokens, args.seed, args.repeats
     )

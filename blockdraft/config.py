@@ -115,6 +115,10 @@ class EngineConfig:
     # torch intra-op threads for this process (torch.set_num_threads is process-wide). None:
     # chosen at start from the cores free at that moment (blockdraft/threads.py says why).
     num_threads: int | None = None
+    # Ranks the model is split over (vLLM's tensor_parallel_size): the engine starts N - 1
+    # worker processes, one per GPU from `device` on (gloo processes on the CPU), and shards
+    # every layer over them (blockdraft/engine/tp_workers.py). 1: one process, no collectives.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernel_policy, KernelPolicy):
@@ -127,9 +131,18 @@ class EngineConfig:
             )
         if self.num_threads is not None and not is_positive_int(self.num_threads):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if not is_positive_int(self.tensor_parallel_size):
+            size = self.tensor_parallel_size
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {size!r}")
         self.device = resolve_device(self.device)
+        if self.tensor_parallel_size > 1 and self.async_decode:
+            raise ValueError(
+                "async_decode is not supported with tensor_parallel_size > 1: leave it unset"
+            )
         if self.async_decode is None:
-            self.async_decode = torch.device(self.device).type == "cuda"
+            # Workers replay the driver's launched steps, not the steps it launches ahead.
+            on_cuda = torch.device(self.device).type == "cuda"
+            self.async_decode = on_cuda and self.tensor_parallel_size == 1
         dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device.startswith("cuda") else "float32"
@@ -192,19 +205,52 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
+    """Whether a model (`what`: "the target", "the drafter") splits over `size` ranks: its
+    query heads, its KV heads (or, fewer KV heads than ranks, the ranks over them: each KV head
+    is then replicated on the ranks of its query heads) and its intermediate size. `cfg` has
+    num_heads, num_kv_heads and intermediate_size (a models TransformerConfig)."""
+    if size == 1:
+        return
+    heads, kv_heads, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    problems = []
+    if heads % size:
+        problems.append(f"its {heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
+    if inter % size:
+        problems.append(f"its intermediate_size {inter}")
+    if problems:
+        raise ValueError(
+            f"tensor_parallel_size {size} does not divide {' and '.join(problems)} of {what}: "
+            "pick a size that does"
+        )
+
+
+def tensor_parallel_devices(device: str, size: int) -> list[str]:
+    """Each rank's device: consecutive GPUs from `device`'s on CUDA, the CPU for every rank
+    off it."""
+    kind = torch.device(device)
+    if kind.type != "cuda":
+        return [device] * size
+    first = kind.index or 0
+    return [f"cuda:{first + r}" for r in range(size)]
+
+
 def check_can_run(config: EngineConfig) -> None:
     """What a configuration alone does not tell: whether this machine has its device and its
     model and drafter paths hold checkpoints. Checked before an engine starts (LLM, serve)."""
-    check_device_available(config.device)
+    check_device_available(config.device, config.tensor_parallel_size)
     if config.model is not None:
         check_model_path(config.model)
     if config.speculative_config is not None:
         check_drafter_path(config.speculative_config.model)
 
 
-def check_device_available(device: str) -> None:
-    """Whether this torch build and machine can run on `device`, checked before an engine or
-    a trainer starts, so that a wrong one fails in one line instead of deep inside torch."""
+def check_device_available(device: str, tensor_parallel_size: int = 1) -> None:
+    """Whether this torch build and machine can run on `device` (and the GPUs after it, one per
+    tensor-parallel rank), checked before an engine or a trainer starts, so that a wrong one
+    fails in one line instead of deep inside torch."""
     kind = torch.device(device)
     if kind.type != "cuda":
         return
@@ -222,6 +268,12 @@ def check_device_available(device: str) -> None:
     if kind.index is not None and kind.index >= count:
         raise ValueError(
             f"device {device!r}: this machine has {count} CUDA GPU(s), cuda:0 to cuda:{count - 1}"
+        )
+    available = count - (kind.index or 0)
+    if tensor_parallel_size > available:
+        raise ValueError(
+            f"tensor_parallel_size {tensor_parallel_size} needs {tensor_parallel_size} GPUs from "
+            f"{device}, but this machine has {available} there ({count} in all)"
         )
 
 

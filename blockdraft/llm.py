@@ -71,6 +71,7 @@ class LLM:
         if engine is None:
             return
         on_cuda = engine.device.type == "cuda"
+        engine.shutdown()  # its tensor-parallel workers, if any
         # The engine's parts reference each other (the drafter's step callback holds the
         # engine), so dropping the engine alone frees nothing until the garbage collector runs,
         # and a new engine sized from free GPU memory would find the old one still there.
@@ -181,8 +182,10 @@ def describe_engine(engine: LLMEngine, threads: ThreadChoice) -> str:
         shipped = spec.model == default_drafter_path()
         drafter = "the shipped SmolLM2 drafter" if shipped else f"drafter {spec.model}"
         drafter += f" (up to {engine.num_spec} draft{'s' if engine.num_spec > 1 else ''} a step)"
+    ranks = cfg.tensor_parallel_size
+    device = f"device {cfg.device}" + (f" x {ranks} tensor-parallel ranks" if ranks > 1 else "")
     return (
-        f"{model}, {drafter}, device {cfg.device}, {cfg.dtype}, "
+        f"{model}, {drafter}, {device}, {cfg.dtype}, "
         f"{threads.num_threads} CPU thread{'s' if threads.num_threads > 1 else ''} "
         f"({threads.reason})"
     )

@@ -90,3 +90,34 @@ def test_repeats_take_turns_and_report_the_median(monkeypatch, rng) -> None:
     assert r.mean_acceptance_length == 2 and r.histogram == {2: 2}
     with pytest.raises(ValueError, match="repeats"):
         run_bench("ar", "sd", {"toy": ["p"]}, [0.0], max_tokens=4, repeats=0)
+
+
+def test_engines_made_one_at_a_time_run_one_after_the_other(monkeypatch) -> None:
+    """Engines given as functions (tensor-parallel ones) are made, run and shut down in turn:
+    all AR passes, then all DFlash passes."""
+    import blockdraft.bench as bench
+
+    events: list[str] = []
+
+    class FakeLLM:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            events.append(f"make {name}")
+
+        def __enter__(self) -> str:
+            return self.name
+
+        def __exit__(self, *exc: object) -> None:
+            events.append(f"shut down {self.name}")
+
+    def fake_run(llm, prompts, params):
+        events.append(llm)
+        return 1.0, [3] if llm == "sd" else []
+
+    monkeypatch.setattr(bench, "_run", fake_run)
+    (r,) = run_bench(
+        lambda: FakeLLM("ar"), lambda: FakeLLM("sd"), {"toy": ["p"]}, [0.0], 4, repeats=2
+    )
+    assert events == ["make ar", "ar", "ar", "ar", "shut down ar",
+                      "make sd", "sd", "sd", "sd", "shut down sd"]  # fmt: skip
+    assert r.mean_acceptance_length == 3 and r.ar_tok_s == r.dflash_tok_s == 1.0

@@ -479,7 +479,7 @@ def test_bench_arguments_checked_before_the_models_load(pair, tmp_path: Path, ca
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(tensor_parallel_size=2), "unknown argument.*tensor_parallel_size; it takes model, "),
+        (dict(pipeline_parallel_size=2), "unknown argument.*pipeline_parallel_size; it takes"),
         (dict(max_model_len="64"), "max_model_len must be a positive integer or None"),
         (dict(num_kv_blocks=0), "num_kv_blocks must be a positive integer or None"),
         (dict(gpu_memory_utilization="0.9"), r"gpu_memory_utilization must be in \(0, 1\]"),

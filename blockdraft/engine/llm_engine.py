@@ -9,6 +9,7 @@ import time
 import torch
 
 from blockdraft.config import EngineConfig
+from blockdraft.distributed.tensor_parallel import TensorParallel, building_tensor_parallel
 from blockdraft.engine.async_decode import (
     InflightDecode,
     launch_decode_ahead,
@@ -19,12 +20,13 @@ from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.cuda_graphs import capture_graphs, default_batch_sizes
 from blockdraft.engine.input_processor import InputProcessor
 from blockdraft.engine.kv_cache import allocate_kv_cache, max_blocks_per_seq, num_kv_blocks
-from blockdraft.engine.model_loader import load_models
-from blockdraft.engine.model_runner import ModelRunner, StepOutput
+from blockdraft.engine.model_loader import check_tensor_parallel, load_models
+from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
 from blockdraft.engine.sequence import Sequence
 from blockdraft.engine.spec_stats import SpecDecodeStats
+from blockdraft.engine.tp_workers import TensorParallelWorkers
 from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
@@ -38,11 +40,33 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """`tp`: this process's rank when it is a tensor-parallel worker (tp_workers.py); with
+        config.tensor_parallel_size > 1 and no `tp`, this engine is the driver (rank 0) and
+        starts the workers."""
+        self.workers: TensorParallelWorkers | None = None
+        if config.tensor_parallel_size > 1 and tp is None:
+            check_tensor_parallel(config)  # before any worker starts
+            self.workers = TensorParallelWorkers(config)
+            tp = self.workers.tp
+        try:
+            self._start(config, tp)
+        except BaseException:
+            if self.workers is not None:
+                self.workers.abort("the engine failed to start")
+            raise
+
+    def _start(self, config: EngineConfig, tp: TensorParallel | None) -> None:
         t0 = time.perf_counter()
         self.config, self.kernel_policy = config, config.kernel_policy
         self.device = torch.device(config.device)
-        loaded = load_models(config, self.device)
+        self.tp = tp
+        if tp is not None:
+            # Every rank draws the same random numbers (dummy weights of replicated layers,
+            # the synthetic acceptance's coins).
+            torch.manual_seed(config.seed)
+        with building_tensor_parallel(tp):  # None: unsharded
+            loaded = load_models(config, self.device)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.generation_defaults = loaded.generation_defaults
         self.eos_token_ids = loaded.eos_token_ids
@@ -66,6 +90,8 @@ class LLMEngine:
         num_blocks = num_kv_blocks(
             config, kv_layers, self.device, self.max_model_len, self.lookahead
         )
+        if tp is not None:  # one block table for every rank's pool
+            num_blocks = tp.min_over_ranks(num_blocks, self.device)
         allocate_kv_cache(kv_layers, num_blocks, bs, config.torch_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -145,32 +171,57 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel workers, if any (a second call does nothing)."""
+        if self.workers is not None:
+            self.workers.shutdown()
+
     # -- one step ------------------------------------------------------------------------
     @torch.inference_mode()
     @under_kernel_policy
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns the state of every request that got new tokens or
         finished (finished ones are forgotten afterwards)."""
+        if self.workers is not None:
+            with self.workers.failing_loudly():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         if self.config.async_decode and self.draft_launcher is None:
             return self._async_decode_step()
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        launched = self.runner.launch(chunks)
+        num_drafts = 0
+        if self.draft_launcher is not None:
+            # N for the batch the next step verifies: every request running now (those the
+            # readback will finish included: any N is lossless, verify takes a prefix).
+            running = self.scheduler.running
+            num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
+        if self.workers is not None:
+            self.workers.send_step(chunks, num_drafts, self.requests)
+        launched, drafts = self.launch_step(chunks, num_drafts)
         if self.draft_launcher is None:
             return self._process_step(chunks, self.runner.finish(launched), None)
-        # Queued before the readback, so the GPU drafts while the host processes the step.
-        # N for the batch the next step verifies: every request running now (those the
-        # readback will finish included: any N is lossless, verify takes a prefix).
-        running = self.scheduler.running
-        num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
-        drafts = self.draft_launcher.launch(launched.target_step(), num_drafts)
         self.spec_stats.record_step(num_drafts)
         result = self.runner.finish(launched)  # the step's one device-to-host read
         outputs = self._process_step(chunks, result, drafts)
         self.draft_length.record_if_uniform(chunks, num_drafts, time.perf_counter() - t0)
         return outputs
+
+    def launch_step(
+        self, chunks: list[ScheduledChunk], num_drafts: int
+    ) -> tuple[LaunchedStep, LaunchedDrafts | None]:
+        """Queues a step's device work and reads nothing back: the target forward with its
+        sampling or verification, then, speculating, the drafter's work (before the
+        readback, so the GPU drafts while the host processes the step). Tensor-parallel
+        workers run it on the driver's chunks."""
+        launched = self.runner.launch(chunks)
+        if self.draft_launcher is None:
+            return launched, None
+        return launched, self.draft_launcher.launch(launched.target_step(), num_drafts)
 
     def _process_step(
         self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None

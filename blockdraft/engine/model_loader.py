@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from blockdraft.config import EngineConfig
+from blockdraft.config import EngineConfig, check_tensor_parallel_shape
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
@@ -18,7 +19,9 @@ from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
+    param_shards,
     read_checkpoint,
+    read_json,
 )
 from blockdraft.models.registry import resolve_architecture
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
@@ -49,6 +52,19 @@ def lookahead_rows(num_spec: int) -> int:
     return num_spec + 1 if num_spec else 0
 
 
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """`load_models`' tensor-parallel shape checks from the config files alone, for the driver
+    to run before it starts workers (a GGUF target is checked when it loads)."""
+    size = config.tensor_parallel_size
+    if config.model is not None and Path(config.model).is_dir():
+        hf = read_json(Path(config.model) / "config.json")
+        check_tensor_parallel_shape(size, "the target", resolve_architecture(hf).parse_config(hf))
+    spec = config.speculative_config
+    if spec is not None:
+        draft_cfg = DFlashConfig.from_hf(read_drafter_checkpoint(spec.model).hf_config)
+        check_tensor_parallel_shape(size, "the drafter", draft_cfg.body)
+
+
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     model_path = config.model
     if model_path is None:
@@ -58,6 +74,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     ckpt = read_checkpoint(model_path, config.load_format)
     architecture = resolve_architecture(ckpt.hf_config)
     target_cfg = architecture.parse_config(ckpt.hf_config)
+    check_tensor_parallel_shape(config.tensor_parallel_size, "the target", target_cfg)
     if (config.max_model_len or 0) > target_cfg.max_position_embeddings:
         raise ValueError(
             f"max_model_len {config.max_model_len} exceeds the model's "
@@ -71,6 +88,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     if spec is not None:  # a drafter that does not fit fails here, before any weights load
         draft_cfg = DFlashConfig.from_hf(read_drafter_checkpoint(spec.model).hf_config)
         draft_cfg.check_fits(target_cfg)
+        check_tensor_parallel_shape(config.tensor_parallel_size, "the drafter", draft_cfg.body)
         num_spec = spec.num_speculative_tokens or default_num_drafts(
             draft_cfg.block_size, device.type
         )
@@ -93,9 +111,10 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     if config.load_format == "dummy":
         init_dummy_weights(model)
     else:
+        params = dict(model.named_parameters())
         load_weights(
-            dict(model.named_parameters()),
-            iter_checkpoint_tensors(ckpt),
+            params,
+            iter_checkpoint_tensors(ckpt, param_shards(params)),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.select import get_linear_backend, needs_autograd
 from blockdraft.layers.norm import RMSNorm
@@ -48,6 +49,18 @@ def linear(
     if skinny(x, weight, bias):
         return get_linear_backend(x.device)(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def row_parallel_linear(
+    tp: TensorParallel,
+    x: torch.Tensor,  # [num_tokens, in_features / tp.size] this rank's slice of the features
+    weight: torch.Tensor,  # [out_features, in_features / tp.size]
+    bias: torch.Tensor | None,  # [out_features], held whole by every rank
+) -> torch.Tensor:  # [num_tokens, out_features], the same on every rank
+    """A linear whose input features are split over the ranks: each rank's partial product,
+    summed over the ranks (one all-reduce), then the bias once."""
+    out = tp.all_reduce(linear(x, weight))
+    return out if bias is None else out + bias
 
 
 def skinny_linear(

@@ -1,10 +1,14 @@
-"""Dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one GEMM."""
+"""Dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one GEMM.
+
+Under tensor parallelism each rank holds a slice of the intermediate features: gate/up
+column-parallel, down row-parallel, one all-reduce after it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.rope import silu_mul_torch
 from blockdraft.kernels.select import PerDevice, get_silu_mul_backend, needs_autograd
@@ -14,9 +18,18 @@ from blockdraft.layers.linear import fuse_linears, linear, prologue_fits, skinny
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp = tp = current_tensor_parallel()
+        full = intermediate_size
+        if tp is not None:
+            start, stop = tp.split(full)
+            intermediate_size = stop - start
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if tp is not None:
+            tag_shard(self.gate_proj.weight, Shard(0, start, stop, full))
+            tag_shard(self.up_proj.weight, Shard(0, start, stop, full))
+            tag_shard(self.down_proj.weight, Shard(1, start, stop, full))
         self._silu_mul = PerDevice(get_silu_mul_backend)  # Triton on CUDA, else torch
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
@@ -29,7 +42,8 @@ class MLP(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         if self._gate_up is None:
-            return self.down(self.gate_proj(x), self.up_proj(x))
+            out = self.down(self.gate_proj(x), self.up_proj(x))
+            return out if self.tp is None else self.tp.all_reduce(out)
         return self.down_gate_up(linear(x, *self._gate_up))
 
     def down_gate_up(
@@ -41,9 +55,12 @@ class MLP(nn.Module):
         rows = policy.silu_mul_prologue_max_rows
         fits = prologue_fits(gate_up, down.weight, down.bias, max_rows=rows)
         if policy.fuse_silu_mul_into_down and fits:
-            return skinny_linear(gate_up, down.weight, down.bias, silu_mul_input=True)
-        # row-strided halves of one output; the activation kernel reads them in place
-        return self.down(*gate_up.chunk(2, dim=-1))
+            out = skinny_linear(gate_up, down.weight, down.bias, silu_mul_input=True)
+        else:
+            # row-strided halves of one output; the activation kernel reads them in place
+            out = self.down(*gate_up.chunk(2, dim=-1))
+        # Row-parallel down_proj (no bias): the partial sums of every rank added up.
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def down(
         self,

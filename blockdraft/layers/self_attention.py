@@ -1,17 +1,38 @@
 """The attention front-end of a decoder layer: q/k/v projections (fused into one GEMM), the
-optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention and the output projection."""
+optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention and the output projection.
+
+Under tensor parallelism each rank holds its share of the query heads and of the KV heads
+(one replicated KV head, its query heads' group's, when there are fewer KV heads than ranks):
+q/k/v are column-parallel, o_proj row-parallel, one all-reduce after it."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import (
+    Shard,
+    TensorParallel,
+    current_tensor_parallel,
+    tag_shard,
+)
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.select import StoreKVFn, needs_autograd
 from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.linear import fuse_linears, linear
+from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 from blockdraft.layers.norm import RMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
+
+
+def head_shards(tp: TensorParallel, num_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first KV head, KV heads) of this rank: the query heads
+    split evenly, the KV heads too, or, when the ranks outnumber them, the one KV head of this
+    rank's query heads' group (config.check_tensor_parallel_shape checks the divisibility)."""
+    q_start, q_stop = tp.split(num_heads)
+    if num_kv_heads >= tp.size:
+        kv_start, kv_stop = tp.split(num_kv_heads)
+        return q_start, q_stop - q_start, kv_start, kv_stop - kv_start
+    return q_start, q_stop - q_start, q_start // (num_heads // num_kv_heads), 1
 
 
 class SelfAttention(nn.Module):
@@ -29,11 +50,29 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         h, d = hidden_size, head_dim
+        self.tp = tp = current_tensor_parallel()
+        if tp is not None:
+            q_start, num_heads, kv_start, kv_heads = head_shards(tp, num_heads, num_kv_heads)
+            shards = (
+                Shard(0, q_start * d, (q_start + num_heads) * d, num_heads * tp.size * d),
+                Shard(0, kv_start * d, (kv_start + kv_heads) * d, num_kv_heads * d),
+            )
+            num_kv_heads = kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, d
         self.q_proj = nn.Linear(h, num_heads * d, bias=bias)
         self.k_proj = nn.Linear(h, num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(num_heads * d, h, bias=bias)
+        if tp is not None:
+            q_shard, kv_shard = shards
+            for param in (self.q_proj.weight, self.q_proj.bias):
+                if param is not None:
+                    tag_shard(param, q_shard)
+            for proj in (self.k_proj, self.v_proj):
+                for param in (proj.weight, proj.bias):
+                    if param is not None:
+                        tag_shard(param, kv_shard)
+            tag_shard(self.o_proj.weight, Shard(1, q_shard.start, q_shard.stop, q_shard.full))
         self.qk_norm = qk_norm_eps is not None
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(d, qk_norm_eps)
@@ -142,4 +181,7 @@ class SelfAttention(nn.Module):
         else:
             q, k = self.norm_rope(positions, q, k)
             out = self.attn(q, k, v)
-        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        o_proj = self.o_proj
+        if self.tp is not None:
+            return row_parallel_linear(self.tp, out.flatten(1), o_proj.weight, o_proj.bias)
+        return linear(out.flatten(1), o_proj.weight, o_proj.bias)

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import current_tensor_parallel
 from blockdraft.kernels.select import PerDevice, get_store_kv_backend
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear
 from blockdraft.layers.norm import RMSNorm, final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.layers.vocab_parallel import embedding, gather_logits, lm_head
 from blockdraft.models.draft_vocab import draft_token_ids, scatter_draft_logits
 from blockdraft.models.llama import DecoderLayer, DecoderLM, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
@@ -133,9 +135,14 @@ class DFlashConfig:
 
 
 class DFlashDrafter(nn.Module):
+    """Under tensor parallelism the draft layers shard as the target's do (their heads and
+    intermediate features split, and their K/V cache with them); `fc` and the norms, whose
+    inputs are the target's features (the same on every rank), are replicated."""
+
     def __init__(self, cfg: DFlashConfig, target: DecoderLM, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = current_tensor_parallel()
         body = dataclasses.replace(cfg.body, max_position_embeddings=max_positions)
         rotary = RotaryEmbedding(body.head_dim, max_positions, body.rope_theta, body.rope_scaling)
         self.layers = nn.ModuleList(
@@ -152,7 +159,7 @@ class DFlashDrafter(nn.Module):
         # A reduced draft vocabulary always comes with its own head, over those tokens only.
         draft_vocab = cfg.draft_vocab_size
         if draft_vocab is not None:
-            self.lm_head = nn.Linear(hidden, draft_vocab, bias=False)
+            self.lm_head = lm_head(hidden, draft_vocab)
         self.register_buffer(
             "draft_token_ids",  # [D] int64, the target id of each draft-vocabulary row
             None if draft_vocab is None else torch.arange(draft_vocab),
@@ -191,7 +198,11 @@ class DFlashDrafter(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
         # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
         # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).
-        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        if self.tp is not None:  # every rank's vocabulary slice, on every rank
+            head_rows = self.cfg.draft_vocab_size or self.cfg.body.vocab_size
+            logits = gather_logits(self.tp, logits, head_rows)
+        logits = logits.float()
         if self.cfg.output_multiplier != 1.0:  # a pass over [R, V] floats: skip when it is 1
             logits = logits * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
@@ -215,7 +226,12 @@ def load_drafter(
     or a llama.cpp GGUF; see `drafter_checkpoint`) or random weights; `cfg` is the checkpoint's
     config when the caller has already read it."""
     from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
-    from blockdraft.models.loader import init_dummy_weights, load_weights
+    from blockdraft.models.loader import (
+        init_dummy_weights,
+        load_weights,
+        param_shards,
+        shard_tensors,
+    )
 
     ckpt = read_drafter_checkpoint(path)
     if cfg is None:
@@ -232,19 +248,19 @@ def load_drafter(
     else:
         tensors = dict(ckpt.read_tensors())
         _load_draft_vocab(drafter, tensors.pop("d2t", None), tensors.pop("t2d", None), path)
-        if "embed_tokens.weight" in tensors:  # the drafter ships its own embedding
-            with torch.device(device):
-                drafter.embed_tokens = nn.Embedding(*tensors["embed_tokens.weight"].shape).to(dtype)
-        if "lm_head.weight" in tensors and cfg.draft_vocab_size is None:  # ... or its own head
-            vocab, hidden = tensors["lm_head.weight"].shape
-            with torch.device(device):
-                drafter.lm_head = nn.Linear(hidden, vocab, bias=False).to(dtype)
+        vocab, hidden = cfg.body.vocab_size, cfg.body.hidden_size
+        with torch.device(device):
+            if "embed_tokens.weight" in tensors:  # the drafter ships its own embedding
+                drafter.embed_tokens = embedding(vocab, hidden).to(dtype)
+            if "lm_head.weight" in tensors and cfg.draft_vocab_size is None:  # ... or its head
+                drafter.lm_head = lm_head(hidden, vocab).to(dtype)
         params = {
             name: p
             for name, p in drafter.named_parameters()
             if not name.startswith(shared) or name in tensors
         }
-        load_weights(params, tensors.items(), path, ignore=lambda name: "rotary_emb" in name)
+        sharded = shard_tensors(tensors.items(), param_shards(params), path)
+        load_weights(params, sharded, path, ignore=lambda name: "rotary_emb" in name)
     drafter.eval().requires_grad_(False)
     return drafter
 

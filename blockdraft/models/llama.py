@@ -10,12 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import current_tensor_parallel
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear, norm_linear, norm_prologue_fits
 from blockdraft.layers.mlp import MLP
 from blockdraft.layers.norm import RMSNorm, final_norm, layer_output
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.layers.self_attention import SelfAttention
+from blockdraft.layers.vocab_parallel import embedding, gather_logits, lm_head
 from blockdraft.models.model_config import TransformerConfig
 
 
@@ -92,7 +94,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -108,7 +110,8 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
+        self.tp = current_tensor_parallel()  # None: one process holds the whole model
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.capture_layer_ids: tuple[int, ...] = ()
@@ -143,4 +146,7 @@ class DecoderLM(nn.Module):
         return x, features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias).float()
+        logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        if self.tp is not None:  # every rank's vocabulary slice, on every rank
+            logits = gather_logits(self.tp, logits, self.cfg.vocab_size)
+        return logits.float()

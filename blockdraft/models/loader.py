@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import Shard, param_shard
 from blockdraft.tokenizer import Tokenizer
 
 
@@ -87,15 +88,63 @@ def read_checkpoint(model: str, load_format: str = "auto") -> Checkpoint:
     return Checkpoint(hf_config, tokenizer, eos, defaults, None, files)
 
 
-def iter_checkpoint_tensors(ckpt: Checkpoint):
+def param_shards(params: dict[str, nn.Parameter]) -> dict[str, Shard]:
+    """The parameters that hold a tensor-parallel shard of their checkpoint tensor."""
+    return {name: s for name, p in params.items() if (s := param_shard(p)) is not None}
+
+
+def _check_full(name: str, shape: list[int] | torch.Size, shard: Shard, source: object) -> None:
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+        raise ValueError(
+            f"{source}: tensor {name!r} has shape {tuple(shape)}, expected {shard.full} "
+            f"entries along dim {shard.dim}"
+        )
+
+
+def checkpoint_tensor_names(ckpt: Checkpoint) -> list[str]:
+    """The tensors a checkpoint holds, without reading them."""
     if ckpt.state_dict is not None:
-        yield from ckpt.state_dict.items()
+        return list(ckpt.state_dict)
+    names = []
+    for file in ckpt.weight_files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names += f.keys()
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
+    return names
+
+
+def shard_tensors(tensors, shards: dict[str, Shard], source: object):
+    """(name, tensor) pairs of tensors held whole, each cut to its slice where `shards` names
+    it (a tensor-parallel rank's part)."""
+    for name, tensor in tensors:
+        shard = shards.get(name)
+        if shard is not None:
+            _check_full(name, tensor.shape, shard, source)
+            tensor = tensor[shard.index()]
+        yield name, tensor
+
+
+def iter_checkpoint_tensors(ckpt: Checkpoint, shards: dict[str, Shard] | None = None):
+    """(name, tensor) of every checkpoint tensor; for a name in `shards`, only that slice,
+    read alone from safetensors (`get_slice`), so that a tensor-parallel rank never holds the
+    tensors whole (GGUF checkpoints are dequantized whole at open, then sliced)."""
+    shards = shards or {}
+    if ckpt.state_dict is not None:
+        yield from shard_tensors(ckpt.state_dict.items(), shards, "checkpoint")
         return
     for file in ckpt.weight_files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
+                    shard = shards.get(name)
+                    if shard is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    part = f.get_slice(name)
+                    _check_full(name, part.get_shape(), shard, file)
+                    yield name, part[shard.index()]
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
 
@@ -106,14 +155,18 @@ def load_weights(
     source: str,
     ignore=lambda name: False,
 ) -> None:
-    """Copy checkpoint tensors into `params`; every parameter must be filled."""
+    """Copy checkpoint tensors into `params`; every parameter must be filled. A parameter that
+    holds a tensor-parallel shard takes its slice (read so by `iter_checkpoint_tensors`) at
+    its start; a padded tail stays as it is."""
     missing = set(params)
     for name, tensor in tensors:
         if name not in params:
             if ignore(name):
                 continue
             raise ValueError(f"{source}: unexpected tensor {name!r}")
-        param = params[name]
+        param, shard = params[name], param_shard(params[name])
+        if shard is not None:
+            param = param.narrow(shard.dim, 0, shard.stop - shard.start)
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
