@@ -102,6 +102,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
                 "rotary_emb" in name
                 or (name == "lm_head.weight" and target_cfg.tie_word_embeddings)
             ),
+            locate=model.checkpoint_slice,
         )
     tokenizer, eos_token_ids, generation_defaults = (
         ckpt.tokenizer,

@@ -105,23 +105,29 @@ def load_weights(
     tensors,  # iterable of (name, tensor)
     source: str,
     ignore=lambda name: False,
+    locate=lambda name: None,  # name -> (parameter name, index) for a tensor filling a slice
 ) -> None:
-    """Copy checkpoint tensors into `params`; every parameter must be filled."""
-    missing = set(params)
+    """Copy checkpoint tensors into `params`; every parameter must be filled, either by a
+    tensor of its own name or by the slices `locate` places (per-expert tensors stacked into
+    one parameter)."""
+    filled = dict.fromkeys(params, 0)  # elements written so far
     for name, tensor in tensors:
-        if name not in params:
+        where = locate(name)
+        target, index = (name, ...) if where is None else where
+        if target not in params:
             if ignore(name):
                 continue
             raise ValueError(f"{source}: unexpected tensor {name!r}")
-        param = params[name]
-        if tuple(tensor.shape) != tuple(param.shape):
+        param = params[target]
+        shape = tuple(param[index].shape)
+        if tuple(tensor.shape) != shape:
             raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(param.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
             )
         with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
+            param[index].copy_(tensor)
+        filled[target] += tensor.numel()
+    missing = [name for name, count in filled.items() if count < params[name].numel()]
     if missing:
         raise ValueError(f"{source}: missing tensors {sorted(missing)[:8]}")
 
