@@ -76,7 +76,7 @@ def default_model_path() -> str:
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
-    """Read a GGUF file (llama or qwen3 architecture) into a `GGUFCheckpoint`."""
+    """Read a GGUF file (llama, qwen3 or qwen3moe architecture) into a `GGUFCheckpoint`."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"GGUF file not found: {path}")
