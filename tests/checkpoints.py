@@ -479,7 +479,7 @@ def predictable_continuation(prompt_ids: list[int], n: int, vocab_size: int) -> 
 def make_predictable_target(
     out_dir: Path,
     *,
-    arch: Literal["qwen3", "llama"] = "qwen3",
+    arch: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3",
     vocab_size: int = 64,
     hidden_size: int = 64,
     num_layers: int = 4,
@@ -494,11 +494,12 @@ def make_predictable_target(
 ) -> Path:
     """A target whose greedy next token is ``predictable_next_token(current token)``.
 
-    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling):
+    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling,
+    ``qwen3_moe`` routes every layer's MLP over 8 experts, top 2):
 
     * ``embed_tokens`` is the identity: token ``t`` enters the residual stream as one-hot
       ``e_t`` (needs ``hidden_size >= vocab_size``).
-    * every attention ``o_proj`` and MLP ``down_proj`` keeps its random weights times
+    * every attention ``o_proj`` and MLP (or experts') ``down_proj`` keeps its random weights times
       ``layer_output_scale``: the layers still read the context and the KV cache (so cache bugs
       show up as changed hidden states and logits), but they only nudge the residual stream.
     * ``lm_head`` maps dimension ``t`` to the logit of ``predictable_next_token(t)`` (a
@@ -527,8 +528,10 @@ def make_predictable_target(
         model = _qwen3_model(**common)
     elif arch == "llama":
         model = _llama_model(**common, llama3_rope_scaling=True)
+    elif arch == "qwen3_moe":
+        model = _qwen3_moe_model(**common)
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'llama' or 'qwen3_moe', got {arch!r}")
     with torch.no_grad(), _seeded(None if seed is None else seed + 1):
         embed = torch.zeros(vocab_size, hidden_size)
         embed[:, :vocab_size] = torch.eye(vocab_size)
@@ -539,7 +542,9 @@ def make_predictable_target(
         model.get_output_embeddings().weight.copy_(head)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(layer_output_scale)
-            layer.mlp.down_proj.weight.mul_(layer_output_scale)
+            experts = getattr(layer.mlp, "experts", None)
+            down = layer.mlp.down_proj.weight if experts is None else experts.down_proj
+            down.mul_(layer_output_scale)
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=shard, rope_config_style=rope_config_style
     )
