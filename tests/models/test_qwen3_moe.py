@@ -138,6 +138,13 @@ def test_gguf_greedy_matches_transformers(tmp_path: Path, rng) -> None:
     ref = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
     path = tmp_path / "tiny-qwen3moe.gguf"
     write_qwen3moe_gguf(path, ref, vocab_size=128)
+    # transformers reads the file back into the source's weights: the writer lays experts out
+    # as llama.cpp does (it does not read expert_feed_forward_length, hence the override).
+    theirs = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32, moe_intermediate_size=32
+    )
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(theirs.state_dict()[name], tensor), name
     ckpt = load_gguf(path)
     cfg = ckpt.hf_config
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
