@@ -38,8 +38,10 @@ class MoEConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> MoEConfig:
-        """The MoE fields of `hf` (transformers 5 writes `num_local_experts` for `num_experts`);
-        a ValueError naming a missing or invalid one."""
+        """The routed-expert fields of `hf` (transformers 5 writes `num_local_experts` for
+        `num_experts`); a ValueError naming a missing or invalid one. A family with a shared
+        expert sets `shared_expert_intermediate_size` itself (Qwen3-MoE has none, whatever its
+        config.json says)."""
         experts_key = "num_experts" if "num_experts" in hf else "num_local_experts"
         try:
             return cls(
@@ -50,7 +52,6 @@ class MoEConfig:
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 decoder_sparse_step=int(hf.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
-                shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
             )
         except KeyError as e:
             raise ValueError(f"config.json is missing required MoE field {e.args[0]!r}") from None
