@@ -43,7 +43,7 @@ from benchmarks.common import (  # noqa: E402
     start_requests,
     stop_requests,
 )
-from benchmarks.shapes import SHAPES  # noqa: E402
+from benchmarks.shapes import SHAPES, expected_distinct_experts, moe_bytes_per_step  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
@@ -298,6 +298,20 @@ def dflash_llm(
     )
 
 
+def moe_step_reads(cfg: dict, bandwidth: float) -> list[list[float]]:
+    """For one request's decode (1 row) and verifies of 8 and 16 rows: the distinct experts a
+    layer reads and the weight GB the step reads when each chosen expert is read once per step
+    and routing is uniform (as random weights route), that over a decode's, and the bandwidth
+    bound in ms."""
+    decode = moe_bytes_per_step(cfg, 1)
+    rows = []
+    for n in (1, 8, 16):
+        experts = expected_distinct_experts(cfg["num_experts"], cfg["num_experts_per_tok"], n)
+        read = moe_bytes_per_step(cfg, n)
+        rows.append([n, experts, read / 1e9, read / decode, 1e3 * read / bandwidth])
+    return rows
+
+
 def schedule_text(llm: LLM) -> str:
     s = llm.engine.draft_schedule
     steps = zip(s.min_batches, s.num_drafts_at, strict=True)
@@ -481,6 +495,12 @@ def main() -> None:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1))
         return
+    hf = zlab = float("nan")
+    if not args.skip_peers:
+        # Before our engine holds the device: two copies of a 30B-A3B's weights (61 GB each)
+        # and our KV pool would not fit one GPU together.
+        hf, zlab = hf_and_zlab(target, prompt, min(64, args.new_tokens))
+    results["transformers_tok_s"], results["zlab_block1_tok_s"] = hf, zlab
     compiles = TritonCompileLog()
     t0 = time.perf_counter()
     ar = LLM(str(target), **kw)
@@ -495,11 +515,6 @@ def main() -> None:
     results["ar_batch1_tok_s"] = decode_tok_s(
         ar, prompt, 1, args.new_tokens, log=compiles, phase="a. AR batch 1"
     )
-    hf = zlab = float("nan")
-    if not args.skip_peers:
-        hf, zlab = hf_and_zlab(target, prompt, min(64, args.new_tokens))
-    results["transformers_tok_s"], results["zlab_block1_tok_s"] = hf, zlab
-
     ar_steps = {
         b: mean_step_ms(ar, prompt, b, args.steps, log=compiles, phase=f"b. AR step {b}")
         for b in tqdm(args.batches, "AR steps")
@@ -577,6 +592,13 @@ def main() -> None:
         ["batch", "decode", "verify16+draft", "ratio"],
         [[b, ar_steps[b], sd_steps[b], sd_steps[b] / ar_steps[b]] for b in args.batches],
     )
+    if "num_experts" in shape.config:
+        results["moe_step_reads"] = reads = moe_step_reads(shape.config, bandwidth)
+        print_table(
+            "b'. weights one request's step reads (expected, random routing)",
+            ["rows", "experts / layer", "GB", "x decode", "roofline ms"],
+            reads,
+        )
     print_table(
         f"c. tok/s, synthetic acceptance p={args.accept}; DFlash: default schedule "
         f"({results['draft_schedule']}; mean acceptance "

@@ -13,14 +13,47 @@ from pathlib import Path
 from benchmarks.common import write_dummy_drafter
 
 
+def _attention_params(cfg: dict) -> int:
+    """One layer's q/k/v and output projections."""
+    h = cfg["hidden_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    return h * (q + 2 * kv) + q * h
+
+
 def dense_bytes_per_token(cfg: dict) -> int:
     """bf16 bytes of a dense decoder's weights one token reads: every layer's attention and MLP
     projections and the LM head; the embedding is gathered (one row per token)."""
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter
+    per_layer = _attention_params(cfg) + 3 * h * inter
     return 2 * (layers * per_layer + cfg["vocab_size"] * h)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
+    """Mean number of distinct experts `num_tokens` tokens choose when each picks `top_k` of
+    `num_experts` uniformly at random (random weights route about uniformly)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
+
+
+def moe_bytes_per_step(cfg: dict, num_tokens: int) -> int:
+    """bf16 weight bytes a Qwen3-MoE forward of `num_tokens` tokens of one request reads when
+    each expert it routes to is read once: every layer's attention, sparse layers' router and
+    the distinct experts chosen (`expected_distinct_experts`; rounded down to whole bytes),
+    dense layers' MLP, and the LM head."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    sparse = sum((i + 1) % step == 0 and i not in only for i in range(layers))
+    experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    routed = experts * h + expected_distinct_experts(experts, top_k, num_tokens) * expert
+    dense_mlp = 3 * h * cfg["intermediate_size"]
+    params = layers * _attention_params(cfg) + sparse * routed + (layers - sparse) * dense_mlp
+    return int(2 * (params + cfg["vocab_size"] * h))
+
+
+def moe_bytes_per_token(cfg: dict) -> int:
+    """What one batch-1 decoded token reads: attention, router, its top-k experts, LM head."""
+    return moe_bytes_per_step(cfg, 1)
 
 
 @dataclass(frozen=True)
@@ -61,6 +94,37 @@ QWEN3_8B = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen/Qwen3-Coder-30B-A3B-Instruct's config.json (the fields the engine and transformers read).
+QWEN3_CODER_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000.0,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
 SHAPES: dict[str, BenchShape] = {
-    shape.name: shape for shape in (BenchShape("qwen3-8b", QWEN3_8B, dense_bytes_per_token),)
+    shape.name: shape
+    for shape in (
+        BenchShape("qwen3-8b", QWEN3_8B, dense_bytes_per_token),
+        # z-lab/Qwen3-Coder-30B-A3B-DFlash: an 8-layer drafter (~0.5B parameters besides the
+        # target's embedding and head).
+        BenchShape("qwen3-30b-a3b", QWEN3_CODER_30B_A3B, moe_bytes_per_token, drafter_layers=8),
+    )
 }

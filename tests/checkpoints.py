@@ -5,6 +5,8 @@ Every builder writes float32 weights on CPU and runs well under a second:
 * ``make_qwen3_checkpoint`` / ``make_llama_checkpoint``: random ``Qwen3ForCausalLM`` /
   ``LlamaForCausalLM`` targets (``config.json``, safetensors weights, optionally in two shards,
   tokenizer files and ``generation_config.json``).
+* ``make_qwen3_moe_checkpoint``: a random ``Qwen3MoeForCausalLM`` (experts one tensor each, as
+  ``save_pretrained`` writes them, or stacked).
 * ``make_predictable_target``: a target whose greedy continuation is a fixed token cycle
   (``predictable_next_token``), the partner of an agreeing drafter.
 * ``make_dflash_drafter``: a z-lab format DFlash drafter (``DFlashDraftModel``) for a target;
@@ -41,6 +43,8 @@ from transformers import (
     PreTrainedModel,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 if TYPE_CHECKING:
@@ -243,6 +247,47 @@ def _qwen3_model(
         return Qwen3ForCausalLM(config).float().eval()
 
 
+def _qwen3_moe_model(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tie_word_embeddings: bool,
+    seed: int | None,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
+) -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        **_common_config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings,
+        ),
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=list(mlp_only_layers),
+    )
+    with _seeded(seed):
+        return Qwen3MoeForCausalLM(config).float().eval()
+
+
 def _llama_model(
     *,
     vocab_size: int,
@@ -353,6 +398,63 @@ def make_llama_checkpoint(
     )
 
 
+def make_qwen3_moe_checkpoint(
+    out_dir: Path,
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 48,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 96,
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    decoder_sparse_step: int = 1,
+    mlp_only_layers: tuple[int, ...] = (),
+    tie_word_embeddings: bool = False,
+    stacked_experts: bool = False,
+    shard: bool = False,
+    seed: int | None = None,
+) -> Path:
+    """A random ``Qwen3MoeForCausalLM``: layer i routes over ``num_experts`` experts (top
+    ``top_k``) unless ``(i + 1) % decoder_sparse_step`` or i is in ``mlp_only_layers`` (then a
+    dense MLP of ``intermediate_size``). ``save_pretrained`` writes one tensor per expert
+    (``mlp.experts.E.{gate,up,down}_proj.weight``); ``stacked_experts=True`` rewrites the
+    weights with transformers' in-memory names (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj``), which transformers loads too."""
+    model = _qwen3_moe_model(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=decoder_sparse_step,
+        mlp_only_layers=mlp_only_layers,
+    )
+    out_dir = _save_target(
+        model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="legacy"
+    )
+    if stacked_experts:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, out_dir / "model.safetensors", {"format": "pt"})
+    if shard:
+        _shard_in_two(out_dir)
+    return out_dir
+
+
 def predictable_next_token(token: int, vocab_size: int) -> int:
     """The greedy successor of ``token`` under ``make_predictable_target``.
 
@@ -377,7 +479,7 @@ def predictable_continuation(prompt_ids: list[int], n: int, vocab_size: int) -> 
 def make_predictable_target(
     out_dir: Path,
     *,
-    arch: Literal["qwen3", "llama"] = "qwen3",
+    arch: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3",
     vocab_size: int = 64,
     hidden_size: int = 64,
     num_layers: int = 4,
@@ -392,11 +494,12 @@ def make_predictable_target(
 ) -> Path:
     """A target whose greedy next token is ``predictable_next_token(current token)``.
 
-    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling):
+    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling,
+    ``qwen3_moe`` routes every layer's MLP over 8 experts, top 2):
 
     * ``embed_tokens`` is the identity: token ``t`` enters the residual stream as one-hot
       ``e_t`` (needs ``hidden_size >= vocab_size``).
-    * every attention ``o_proj`` and MLP ``down_proj`` keeps its random weights times
+    * every attention ``o_proj`` and MLP (or experts') ``down_proj`` keeps its random weights times
       ``layer_output_scale``: the layers still read the context and the KV cache (so cache bugs
       show up as changed hidden states and logits), but they only nudge the residual stream.
     * ``lm_head`` maps dimension ``t`` to the logit of ``predictable_next_token(t)`` (a
@@ -425,8 +528,10 @@ def make_predictable_target(
         model = _qwen3_model(**common)
     elif arch == "llama":
         model = _llama_model(**common, llama3_rope_scaling=True)
+    elif arch == "qwen3_moe":
+        model = _qwen3_moe_model(**common)
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'llama' or 'qwen3_moe', got {arch!r}")
     with torch.no_grad(), _seeded(None if seed is None else seed + 1):
         embed = torch.zeros(vocab_size, hidden_size)
         embed[:, :vocab_size] = torch.eye(vocab_size)
@@ -437,7 +542,9 @@ def make_predictable_target(
         model.get_output_embeddings().weight.copy_(head)
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(layer_output_scale)
-            layer.mlp.down_proj.weight.mul_(layer_output_scale)
+            experts = getattr(layer.mlp, "experts", None)
+            down = layer.mlp.down_proj.weight if experts is None else experts.down_proj
+            down.mul_(layer_output_scale)
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=shard, rope_config_style=rope_config_style
     )

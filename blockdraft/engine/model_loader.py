@@ -1,14 +1,18 @@
 """Builds an engine's models from its config: the target (checkpoint or dummy weights) and, when
 speculating, the DFlash drafter on top of it, with the lengths and draft counts they imply. A
-drafter that does not fit the target fails before any weights load."""
+drafter that does not fit the target, or a target whose weights do not fit the device's free
+memory, fails before any weights load."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from blockdraft.config import EngineConfig, check_tensor_parallel_shape
 from blockdraft.layers.linear import fuse_projections
@@ -65,6 +69,37 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         check_tensor_parallel_shape(size, "the drafter", draft_cfg.body)
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (shared ones once), as built: on the "meta"
+    device this sizes a model without allocating it."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def check_weights_fit(need: int, free: int | None, device: torch.device) -> None:
+    """A ValueError naming both sizes when `need` bytes of weights exceed the `free` bytes of
+    `device` (None: no limit known, as on the CPU)."""
+    if free is not None and need > free:
+        raise ValueError(
+            f"the target model's weights need {need / 2**30:.2f} GiB but only "
+            f"{free / 2**30:.2f} GiB of {device} is free: use a smaller model or dtype, or free "
+            "the device (LLM.shutdown() an engine no longer used)"
+        )
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters made inside are made in `dtype`: a bf16 model never exists in float32 first
+    (which would need twice its memory). Buffers computed in explicit float32 (RoPE tables)
+    stay so until the model's `.to(dtype)`, as before."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     model_path = config.model
     if model_path is None:
@@ -106,7 +141,11 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
 
     dtype = config.torch_dtype
-    with torch.device(device):
+    with torch.device("meta"):
+        need = weight_bytes(architecture.model_class(target_cfg).to(dtype))
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    check_weights_fit(need, free, device)
+    with torch.device(device), default_dtype(dtype):
         model = architecture.model_class(target_cfg).to(dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model)
@@ -120,6 +159,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
                 "rotary_emb" in name
                 or (name == "lm_head.weight" and target_cfg.tie_word_embeddings)
             ),
+            locate=model.checkpoint_slice,
         )
     tokenizer, eos_token_ids, generation_defaults = (
         ckpt.tokenizer,

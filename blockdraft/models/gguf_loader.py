@@ -2,7 +2,8 @@
 
 A GGUF carries the config, the tokenizer and the (usually quantized) weights in one file, under
 llama.cpp's names and layouts. `load_gguf` turns it into a Hugging Face style `config.json` dict,
-a float32 state dict with `LlamaForCausalLM` / `Qwen3ForCausalLM` names, a `tokenizers` JSON and
+a float32 state dict with `LlamaForCausalLM` / `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM` names
+(experts as one tensor per expert, as Hugging Face checkpoints store them), a `tokenizers` JSON and
 a `tokenizer_config` dict, so the rest of the engine never needs to know the file was a GGUF.
 
 The container is read by `gguf_reader`, the tokenizer rebuilt by `gguf_tokenizer`; this module
@@ -75,7 +76,7 @@ def default_model_path() -> str:
 
 
 def load_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
-    """Read a GGUF file (llama or qwen3 architecture) into a `GGUFCheckpoint`."""
+    """Read a GGUF file (llama, qwen3 or qwen3moe architecture) into a `GGUFCheckpoint`."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise ValueError(f"GGUF file not found: {path}")
@@ -126,6 +127,15 @@ _HF_NAMES: dict[MODEL_TENSOR, str] = {
     MODEL_TENSOR.FFN_GATE: "model.layers.{bid}.mlp.gate_proj.weight",
     MODEL_TENSOR.FFN_UP: "model.layers.{bid}.mlp.up_proj.weight",
     MODEL_TENSOR.FFN_DOWN: "model.layers.{bid}.mlp.down_proj.weight",
+    MODEL_TENSOR.FFN_GATE_INP: "model.layers.{bid}.mlp.gate.weight",
+}
+
+# llama.cpp stacks the experts of a layer in one tensor [num_experts, ...]; Hugging Face
+# checkpoints hold one tensor per expert ({e} is the expert index).
+_HF_EXPERT_NAMES: dict[MODEL_TENSOR, str] = {
+    MODEL_TENSOR.FFN_GATE_EXP: "model.layers.{bid}.mlp.experts.{e}.gate_proj.weight",
+    MODEL_TENSOR.FFN_UP_EXP: "model.layers.{bid}.mlp.experts.{e}.up_proj.weight",
+    MODEL_TENSOR.FFN_DOWN_EXP: "model.layers.{bid}.mlp.experts.{e}.down_proj.weight",
 }
 
 # Stored by old converters for a rotary table that Hugging Face recomputes; safe to drop.
@@ -145,26 +155,30 @@ class _ArchSpec:
     per_layer: tuple[MODEL_TENSOR, ...]
 
 
-_COMMON_LAYER = (
+_ATTENTION = (
     MODEL_TENSOR.ATTN_NORM,
     MODEL_TENSOR.ATTN_Q,
     MODEL_TENSOR.ATTN_K,
     MODEL_TENSOR.ATTN_V,
     MODEL_TENSOR.ATTN_OUT,
     MODEL_TENSOR.FFN_NORM,
-    MODEL_TENSOR.FFN_GATE,
-    MODEL_TENSOR.FFN_UP,
-    MODEL_TENSOR.FFN_DOWN,
+)
+_COMMON_LAYER = (*_ATTENTION, MODEL_TENSOR.FFN_GATE, MODEL_TENSOR.FFN_UP, MODEL_TENSOR.FFN_DOWN)
+_QK_NORMS = (MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM)
+# llama.cpp's qwen3moe has no dense layers: every layer routes.
+_MOE_LAYER = (
+    *_ATTENTION,
+    *_QK_NORMS,
+    MODEL_TENSOR.FFN_GATE_INP,
+    MODEL_TENSOR.FFN_GATE_EXP,
+    MODEL_TENSOR.FFN_UP_EXP,
+    MODEL_TENSOR.FFN_DOWN_EXP,
 )
 
 _ARCHS: dict[str, _ArchSpec] = {
     "llama": _ArchSpec(MODEL_ARCH.LLAMA, "llama", True, _COMMON_LAYER),
-    "qwen3": _ArchSpec(
-        MODEL_ARCH.QWEN3,
-        "qwen3",
-        False,
-        (*_COMMON_LAYER, MODEL_TENSOR.ATTN_Q_NORM, MODEL_TENSOR.ATTN_K_NORM),
-    ),
+    "qwen3": _ArchSpec(MODEL_ARCH.QWEN3, "qwen3", False, (*_COMMON_LAYER, *_QK_NORMS)),
+    "qwen3moe": _ArchSpec(MODEL_ARCH.QWEN3MOE, "qwen3_moe", False, _MOE_LAYER),
 }
 
 # Guard against a gguf release that renames an architecture or drops a tensor kind we rely on,
@@ -224,6 +238,26 @@ def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict | None:
     raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported (linear, yarn)")
 
 
+def _moe_config(metadata: dict[str, Any], arch: str) -> dict:
+    """The Hugging Face MoE fields of an architecture whose every layer routes."""
+    experts = get_meta(metadata, f"{arch}.expert_count", int)
+    used = get_meta(metadata, f"{arch}.expert_used_count", int)
+    if not 1 <= used <= experts:
+        raise FormatError(f"expert_used_count {used} is not between 1 and expert_count {experts}")
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": _uniform(
+            get_meta(metadata, f"{arch}.expert_feed_forward_length", (int, list)),
+            "expert_feed_forward_length",
+        ),
+        # llama.cpp's qwen3moe graph always renormalises the chosen experts' weights.
+        "norm_topk_prob": get_meta(metadata, f"{arch}.expert_weights_norm", bool, True),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
 def _build_config(
     metadata: dict[str, Any], spec: _ArchSpec, tensors: dict[str, TensorInfo]
 ) -> dict:
@@ -257,13 +291,15 @@ def _build_config(
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     if eos is None:
         raise UnsupportedError("no tokenizer.ggml.eos_token_id, so generation could never stop")
+    moe = _moe_config(metadata, a) if MODEL_TENSOR.FFN_GATE_EXP in spec.per_layer else None
+    # No layer of an all-MoE model reads the dense width: the experts' stands in if absent.
+    ffn_default = moe["moe_intermediate_size"] if moe else ...
+    ffn = get_meta(metadata, f"{a}.feed_forward_length", (int, list), ffn_default)
     config: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[a]],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": _uniform(
-            get_meta(metadata, f"{a}.feed_forward_length", (int, list)), "feed_forward_length"
-        ),
+        "intermediate_size": _uniform(ffn, "feed_forward_length"),
         "num_hidden_layers": get_meta(metadata, f"{a}.block_count", int),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -281,6 +317,8 @@ def _build_config(
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eos,
     }
+    if moe:
+        config.update(moe)
     if spec.model_type == "llama":
         config["mlp_bias"] = False
     if "tokenizer.ggml.padding_token_id" in metadata:
@@ -292,6 +330,7 @@ def _expected_shapes(config: dict) -> dict[MODEL_TENSOR, tuple[int, ...]]:
     hidden, ffn = config["hidden_size"], config["intermediate_size"]
     q_rows = config["num_attention_heads"] * config["head_dim"]
     kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    experts, expert_ffn = config.get("num_experts", 0), config.get("moe_intermediate_size", 0)
     return {
         MODEL_TENSOR.TOKEN_EMBD: (config["vocab_size"], hidden),
         MODEL_TENSOR.OUTPUT: (config["vocab_size"], hidden),
@@ -307,6 +346,10 @@ def _expected_shapes(config: dict) -> dict[MODEL_TENSOR, tuple[int, ...]]:
         MODEL_TENSOR.FFN_GATE: (ffn, hidden),
         MODEL_TENSOR.FFN_UP: (ffn, hidden),
         MODEL_TENSOR.FFN_DOWN: (hidden, ffn),
+        MODEL_TENSOR.FFN_GATE_INP: (experts, hidden),
+        MODEL_TENSOR.FFN_GATE_EXP: (experts, expert_ffn, hidden),
+        MODEL_TENSOR.FFN_UP_EXP: (experts, expert_ffn, hidden),
+        MODEL_TENSOR.FFN_DOWN_EXP: (experts, hidden, expert_ffn),
     }
 
 
@@ -344,10 +387,10 @@ def _build_state_dict(
                 "per-dimension RoPE frequency factors (rope_freqs, Llama-3 style scaling) "
                 "are not supported"
             )
-        if kind not in _HF_NAMES or suffix != "weight":
+        if (kind not in _HF_NAMES and kind not in _HF_EXPERT_NAMES) or suffix != "weight":
             raise UnsupportedError(
-                f"tensor {name!r} is not part of a dense {spec.model_type} model "
-                "(biases, MoE experts and extra heads are not supported)"
+                f"tensor {name!r} is not part of a {spec.model_type} model "
+                "(biases and extra heads are not supported)"
             )
         if bid is not None and kind not in spec.per_layer:
             raise UnsupportedError(f"tensor {name!r} is not supported for {spec.model_type}")
@@ -361,7 +404,11 @@ def _build_state_dict(
             tensor = _unpermute_rope_rows(tensor, config["num_attention_heads"])
         elif spec.rope_interleaved and kind == MODEL_TENSOR.ATTN_K:
             tensor = _unpermute_rope_rows(tensor, config["num_key_value_heads"])
-        state_dict[_HF_NAMES[kind].format(bid=bid)] = tensor
+        if kind in _HF_EXPERT_NAMES:
+            for e, expert in enumerate(tensor.unbind(0)):
+                state_dict[_HF_EXPERT_NAMES[kind].format(bid=bid, e=e)] = expert
+        else:
+            state_dict[_HF_NAMES[kind].format(bid=bid)] = tensor
         required.discard(base)
 
     if required:

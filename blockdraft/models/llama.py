@@ -7,6 +7,8 @@ load without renaming. The DFlash drafter reuses `DecoderLayer` with non-causal 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -38,6 +40,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         causal: bool = True,
         window: int | None = None,
+        mlp: nn.Module | None = None,  # None: the dense MLP of cfg.intermediate_size
     ) -> None:
         super().__init__()
         self.self_attn = SelfAttention(
@@ -51,7 +54,7 @@ class DecoderLayer(nn.Module):
             causal=causal,
             window=window,
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size) if mlp is None else mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -82,8 +85,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def _norms_fuse(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether both norms can go into the skinny q/k/v and gate/up GEMMs (fused
-        projections, `norm_prologue_fits`)."""
+        """Whether both norms can go into the skinny q/k/v and gate/up GEMMs (a dense MLP,
+        fused projections, `norm_prologue_fits`)."""
+        if not isinstance(self.mlp, MLP):
+            return False
         qkv, gate_up = self.self_attn._qkv, self.mlp._gate_up
         if qkv is None or gate_up is None:
             return False
@@ -91,25 +96,36 @@ class DecoderLayer(nn.Module):
         return norm_prologue_fits(x, residual, norms, *qkv, *gate_up)
 
 
+# Builds layer i's MLP (cfg, i) -> module of [num_tokens, hidden] -> [num_tokens, hidden].
+MLPFactory = Callable[[TransformerConfig, int], nn.Module]
+
+
+def dense_mlp(cfg: TransformerConfig, layer: int) -> nn.Module:
+    return MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, mlp=make_mlp(cfg, i)) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DecoderLM(nn.Module):
     """Target model. `forward` also returns the hidden states after the decoder layers listed in
-    `capture_layer_ids` (DFlash target features), concatenated, taken in the same pass."""
+    `capture_layer_ids` (DFlash target features), concatenated, taken in the same pass.
+    `make_mlp` builds each layer's MLP (families with sparse layers pass their own)."""
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    def __init__(self, cfg: TransformerConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, make_mlp)
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
         self.tp = current_tensor_parallel()  # None: one process holds the whole model
         if cfg.tie_word_embeddings:
@@ -150,3 +166,8 @@ class DecoderLM(nn.Module):
         if self.tp is not None:  # every rank's vocabulary slice, on every rank
             logits = gather_logits(self.tp, logits, self.cfg.vocab_size)
         return logits.float()
+
+    def checkpoint_slice(self, name: str) -> tuple[str, tuple] | None:
+        """Where a checkpoint tensor that fills part of a parameter goes: (parameter name,
+        index into it). None: the tensor is the whole parameter of its own name."""
+        return None

@@ -154,29 +154,42 @@ def load_weights(
     tensors,  # iterable of (name, tensor)
     source: str,
     ignore=lambda name: False,
+    locate=lambda name: None,  # name -> (parameter name, index) for a tensor filling a slice
 ) -> None:
-    """Copy checkpoint tensors into `params`; every parameter must be filled. A parameter that
-    holds a tensor-parallel shard takes its slice (read so by `iter_checkpoint_tensors`) at
-    its start; a padded tail stays as it is."""
-    missing = set(params)
+    """Copy checkpoint tensors into `params`; every parameter must be filled, either by a
+    tensor of its own name or by the slices `locate` places (per-expert tensors stacked into
+    one parameter). A parameter that holds a tensor-parallel shard takes its slice (read so by
+    `iter_checkpoint_tensors`) at its start; a padded tail stays as it is."""
+    views = {name: _loaded_part(p) for name, p in params.items()}
+    filled = dict.fromkeys(params, 0)  # elements written so far
     for name, tensor in tensors:
-        if name not in params:
+        where = locate(name)
+        target, index = (name, ...) if where is None else where
+        if target not in params:
             if ignore(name):
                 continue
             raise ValueError(f"{source}: unexpected tensor {name!r}")
-        param, shard = params[name], param_shard(params[name])
-        if shard is not None:
-            param = param.narrow(shard.dim, 0, shard.stop - shard.start)
-        if tuple(tensor.shape) != tuple(param.shape):
+        param = views[target]
+        shape = tuple(param[index].shape)
+        if tuple(tensor.shape) != shape:
             raise ValueError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(param.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}"
             )
         with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
+            param[index].copy_(tensor)
+        filled[target] += tensor.numel()
+    missing = [name for name, count in filled.items() if count < views[name].numel()]
     if missing:
         raise ValueError(f"{source}: missing tensors {sorted(missing)[:8]}")
+
+
+def _loaded_part(param: nn.Parameter) -> torch.Tensor:
+    """The part of `param` its checkpoint tensor fills: a tensor-parallel shard's leading rows
+    (a padded vocabulary's tail is not in the checkpoint), else all of it."""
+    shard = param_shard(param)
+    if shard is None:
+        return param
+    return param.narrow(shard.dim, 0, shard.stop - shard.start)
 
 
 def init_dummy_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ ARCHITECTURES: dict[str, ModelArchitecture] = {
     for arch in (
         ModelArchitecture("Qwen3ForCausalLM", DecoderLM, qwen3_config),
         ModelArchitecture("LlamaForCausalLM", DecoderLM, llama_config),
+        ModelArchitecture("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM, qwen3_moe_config),
     )
 }
 
@@ -33,6 +35,7 @@ ARCHITECTURES: dict[str, ModelArchitecture] = {
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 

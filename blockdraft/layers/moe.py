@@ -1,0 +1,84 @@
+"""Sparse mixture-of-experts MLP: a router picks each token's top-k experts (SwiGLU MLPs stacked
+along a leading expert dimension) and sums their outputs weighted by the routing probabilities;
+optionally a shared expert every token goes through, scaled by a sigmoid gate (Qwen3-Next,
+Qwen3.5-MoE). Parameter names follow transformers 5 (`gate.weight`,
+`experts.gate_up_proj`, `experts.down_proj`, `shared_expert.*`, `shared_expert_gate.weight`)
+so that state dicts match; checkpoints with one tensor per expert are stacked at load
+(`expert_tensor_slice`)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from blockdraft.kernels.moe import moe_backend
+from blockdraft.kernels.select import PerDevice
+from blockdraft.layers.linear import linear
+from blockdraft.layers.mlp import MLP
+
+# A per-expert checkpoint tensor: `<prefix>.experts.<e>.{gate,up,down}_proj.weight`.
+_PER_EXPERT = re.compile(
+    r"(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight"
+)
+
+
+class Experts(nn.Module):
+    """The experts' weights, stacked: `gate_up_proj[e]` holds expert e's gate rows then its up
+    rows."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,  # of each routed expert
+        renormalize: bool,  # norm_topk_prob: the top-k weights sum to one
+        shared_expert_intermediate_size: int = 0,  # 0: no shared expert
+    ) -> None:
+        super().__init__()
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_expert_intermediate_size:
+            self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self._backend = PerDevice(moe_backend)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        route, experts = self._backend(x.device)
+        weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
+        out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if self.shared_expert is not None:
+            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight))
+            out = out + gate * self.shared_expert(x)
+        return out
+
+
+def expert_tensor_slice(name: str, intermediate_size: int) -> tuple[str, tuple[int, slice]] | None:
+    """Where a per-expert checkpoint tensor goes in the stacked parameters: (parameter name,
+    index into it), e.g. `...experts.3.up_proj.weight` -> (`...experts.gate_up_proj`,
+    (3, rows I..2I)); None for any other name."""
+    match = _PER_EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    expert, proj = int(match["expert"]), match["proj"]
+    if proj == "down":
+        return f"{match['prefix']}.down_proj", (expert, slice(None))
+    start = 0 if proj == "gate" else intermediate_size
+    return f"{match['prefix']}.gate_up_proj", (expert, slice(start, start + intermediate_size))
