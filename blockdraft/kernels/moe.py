@@ -4,8 +4,12 @@ dimension (`w_gate_up[e]` = [gate; up] rows, as transformers' `Qwen3MoeExperts` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from blockdraft.kernels.select import use_triton
 
 
 def route_torch(
@@ -39,3 +43,19 @@ def experts_torch(
         y = F.linear(F.silu(gate) * up, w_down[expert])
         out.index_add_(0, rows, y * topk_weights[rows, slots, None].to(x.dtype))
     return out
+
+
+RouteFn = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+ExpertsFn = Callable[..., torch.Tensor]
+
+
+def moe_backend(device: torch.device | str | None = None) -> tuple[RouteFn, ExpertsFn]:
+    """The (route, experts) pair the MoE layer calls for tensors on `device`, with the signatures
+    of `route_torch` and `experts_torch`: the one place an MoE kernel choice is made. The
+    switch is `blockdraft.kernels.select`'s (the active policy's backend: Triton on CUDA by
+    default); the Triton module is imported on first use, as select does."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_moe
+
+        return triton_moe.triton_route, triton_moe.triton_experts
+    return route_torch, experts_torch
