@@ -157,8 +157,7 @@ def _check_experts_args(
     num_experts, two_inter, hidden = w_gate_up.shape
     if hidden != x.shape[1] or two_inter % 2:
         raise ValueError(
-            f"w_gate_up {tuple(w_gate_up.shape)} must be [experts, 2 * intermediate, "
-            f"{x.shape[1]}]"
+            f"w_gate_up {tuple(w_gate_up.shape)} must be [experts, 2 * intermediate, {x.shape[1]}]"
         )
     if w_down.shape != (num_experts, hidden, two_inter // 2):
         raise ValueError(

@@ -165,12 +165,12 @@ def _weighted(acc, weight, dtype: tl.constexpr):  # fp32 [...], fp32 broadcastab
 def _moe_grouped_gate_up_kernel(
     x_ptr,  # [T, H], unit column stride
     w_ptr,  # [E, 2I, H], unit column stride: gate rows then up rows
-    out_ptr,  # [max_blocks * BLOCK_M, I]: silu(gate) * up at each grouped row
+    out_ptr,  # [max_blocks * BLOCK_M, INTER]: silu(gate) * up at each grouped row
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 pair indices
     block_expert_ptr,  # [max_blocks] int32
     block_rows_ptr,  # [max_blocks] int32
     H,
-    I,
+    INTER,
     top_k,
     stride_xt,
     stride_we,
@@ -195,11 +195,11 @@ def _moe_grouped_gate_up_kernel(
     pair = tl.load(sorted_ptr + row0 + offs_m, mask=m_ok, other=0)
     token = (pair // top_k).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_n = tl.minimum(offs_n, I - 1).to(tl.int64)  # clamped; the store drops them
+    rows_n = tl.minimum(offs_n, INTER - 1).to(tl.int64)  # clamped; the store drops them
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
+    u_ptrs = g_ptrs + INTER * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
@@ -219,21 +219,23 @@ def _moe_grouped_gate_up_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = _silu_mul(acc_g, acc_u, out_ptr.dtype.element_ty)
+    # Every row of the block, those without a pair too (token 0's, finite): the down GEMM
+    # reads whole blocks, and no garbage (NaN) enters its tiles.
     out_ptrs = out_ptr + (row0 + offs_m)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, h, mask=m_ok[:, None] & (offs_n < I)[None, :])
+    tl.store(out_ptrs, h, mask=(offs_n < INTER)[None, :])
 
 
 @triton.jit
 def _moe_grouped_down_kernel(
-    h_ptr,  # [max_blocks * BLOCK_M, I], from _moe_grouped_gate_up_kernel
-    w_ptr,  # [E, H, I], unit column stride
+    h_ptr,  # [max_blocks * BLOCK_M, INTER], from _moe_grouped_gate_up_kernel
+    w_ptr,  # [E, H, INTER], unit column stride
     weights_ptr,  # [S] fp32 routing weights of the pairs
     out_ptr,  # [S, H]: each pair's weighted expert output
     sorted_ptr,
     block_expert_ptr,
     block_rows_ptr,
     H,
-    I,
+    INTER,
     stride_hm,
     stride_we,
     stride_wn,
@@ -241,7 +243,7 @@ def _moe_grouped_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,  # I % BLOCK_K == 0
+    EVEN_K: tl.constexpr,  # INTER % BLOCK_K == 0
     NUM_STAGES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -257,16 +259,17 @@ def _moe_grouped_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows of a block past its pairs hold whatever was there: they feed only rows never stored.
+    # Rows of a block past its pairs hold token 0's activations: they feed only rows never
+    # stored.
     h_ptrs = h_ptr + (row0 + offs_m)[:, None] * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             h = tl.load(h_ptrs)
             w = tl.load(w_ptrs)
         else:
-            k_ok = offs_k[None, :] < I - k
+            k_ok = offs_k[None, :] < INTER - k
             h = tl.load(h_ptrs, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=k_ok, other=0.0)
         acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
@@ -283,9 +286,9 @@ def _moe_decode_gate_up_kernel(
     x_ptr,  # [T, H], unit column stride
     w_ptr,  # [E, 2I, H], unit column stride
     ids_ptr,  # [S] expert ids of the pairs
-    out_ptr,  # [S, I]: silu(gate) * up of each pair
+    out_ptr,  # [S, INTER]: silu(gate) * up of each pair
     H,
-    I,
+    INTER,
     top_k,
     stride_xt,
     stride_we,
@@ -301,11 +304,11 @@ def _moe_decode_gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_n = tl.minimum(offs_n, I - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, INTER - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + token * stride_xt + offs_k
     g_ptrs = w_ptr + expert * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + I * stride_wn
+    u_ptrs = g_ptrs + INTER * stride_wn
     # One fp32 [BLOCK_N, BLOCK_K] accumulator each, reduced over K once after the loop.
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -326,18 +329,18 @@ def _moe_decode_gate_up_kernel(
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), out_ptr.dtype.element_ty)
-    tl.store(out_ptr + pair * stride_os + offs_n, h, mask=offs_n < I)
+    tl.store(out_ptr + pair * stride_os + offs_n, h, mask=offs_n < INTER)
 
 
 @triton.jit
 def _moe_decode_down_kernel(
-    h_ptr,  # [S, I], from _moe_decode_gate_up_kernel
-    w_ptr,  # [E, H, I], unit column stride
+    h_ptr,  # [S, INTER], from _moe_decode_gate_up_kernel
+    w_ptr,  # [E, H, INTER], unit column stride
     ids_ptr,  # [S]
     weights_ptr,  # [S] fp32
     out_ptr,  # [S, H]
     H,
-    I,
+    INTER,
     stride_hs,
     stride_we,
     stride_wn,
@@ -356,12 +359,12 @@ def _moe_decode_down_kernel(
     h_ptrs = h_ptr + pair * stride_hs + offs_k
     w_ptrs = w_ptr + expert * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+    for k in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             h = tl.load(h_ptrs)
             w = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
-            k_ok = offs_k < I - k
+            k_ok = offs_k < INTER - k
             h = tl.load(h_ptrs, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
