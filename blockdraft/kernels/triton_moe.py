@@ -14,7 +14,9 @@ sized by T, k and E alone, so the calls can be captured in CUDA graphs):
   padded to whole BLOCK_M blocks, the scatter), into a row order whose blocks each belong to
   one expert. The padded size is bounded by T*k + min(E, T*k) * (BLOCK_M - 1) rows; blocks past
   the last run exit at once. Then one grouped GEMM launch for gate_up on tensor cores, with
-  SiLU(gate) * up in its epilogue, and one for down, with the routing weight in its epilogue:
+  SiLU(gate) * up in its epilogue, and one for down, with the routing weight in its epilogue
+  (both with the weight tile as the left operand, "swap AB", so that a block's few rows are
+  the short side of Hopper's wgmma tile instead of forcing the older mma):
   each program owns one expert's block of rows and streams that expert's weight tile once for
   all of them, so an expert is read once per step however many of the step's tokens chose it
   (once per BLOCK_M of them, exactly).
@@ -32,6 +34,11 @@ Ids outside [0, E) never reach a weight: the router clamps (a NaN row of a padde
 gets valid experts) and the grouping drops them (that token's output row is then garbage, as a
 padded row's may be; other rows are untouched).
 
+The router, the decode GEMVs and the sum are launched with programmatic dependent launch where
+the active policy has it on (`blockdraft.kernels.pdl`: decode forwards on Hopper), as the
+skinny GEMM and the norms are: a batch-1 MoE layer is a chain of four short launches. The
+grouped path's launches are plain.
+
 Launch parameters come from `GROUPED_CONFIGS` (by the number of pairs) and `DECODE_CONFIG`,
 untuned first guesses for H200; `benchmarks/moe_bench.py` times them at Qwen3-30B-A3B shapes.
 This file is the host side; the kernels are in `triton_moe_kernels`.
@@ -44,6 +51,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from blockdraft.kernels.pdl import launch_options, pdl_enabled
 from blockdraft.kernels.triton_moe_kernels import (
     _moe_count_kernel,
     _moe_decode_down_kernel,
@@ -130,6 +138,7 @@ def triton_route(
         return weights, ids
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
+    pdl = pdl_enabled(device)
     _moe_route_kernel[(num_tokens,)](
         router_logits,
         weights,
@@ -140,7 +149,9 @@ def triton_route(
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
+        PDL=pdl,
         num_warps=4 if num_experts > 256 else 1,
+        **launch_options(pdl),
     )
     return weights, ids
 
@@ -203,15 +214,17 @@ def triton_experts(
     # A token's k pair rows together: the sum kernel reads them in slot order. With k = 1 the
     # pair rows are the output rows.
     pairs = out if top_k == 1 else torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    pdl = pdl_enabled(x.device)
     if isinstance(config, DecodeConfig):
-        _decode_experts(x, w_gate_up, w_down, weights, ids, top_k, pairs, config)
+        _decode_experts(x, w_gate_up, w_down, weights, ids, top_k, pairs, config, pdl)
     else:
         _grouped_experts(x, w_gate_up, w_down, weights, ids, top_k, pairs, config)
     if top_k > 1:
         block = min(1024, triton.next_power_of_2(hidden))
         _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            pairs, out, hidden, top_k, pairs.stride(0), out.stride(0), BLOCK=block, num_warps=4
-        )
+            pairs, out, hidden, top_k, pairs.stride(0), out.stride(0), BLOCK=block, PDL=pdl,
+            num_warps=4, **launch_options(pdl),
+        )  # fmt: skip
     return out
 
 
@@ -224,6 +237,7 @@ def _decode_experts(
     top_k: int,
     pairs: torch.Tensor,  # [S, H] out
     cfg: DecodeConfig,
+    pdl: bool,
 ) -> None:
     num_pairs, hidden = pairs.shape
     inter = w_down.shape[2]
@@ -245,8 +259,10 @@ def _decode_experts(
         BLOCK_K=gate_up_k,
         EVEN_K=hidden % gate_up_k == 0,
         NUM_STAGES=cfg.num_stages,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )
     down_k = min(cfg.down_block_k, max(16, triton.next_power_of_2(inter)))
     _moe_decode_down_kernel[(num_pairs, triton.cdiv(hidden, cfg.block_n))](
@@ -265,8 +281,10 @@ def _decode_experts(
         BLOCK_K=down_k,
         EVEN_K=inter % down_k == 0,
         NUM_STAGES=cfg.num_stages,
+        PDL=pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(pdl),
     )
 
 

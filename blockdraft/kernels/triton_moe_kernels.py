@@ -10,6 +10,8 @@ on their own.
 import triton
 import triton.language as tl
 
+from blockdraft.kernels.pdl import pdl_start
+
 
 @triton.jit
 def _moe_route_kernel(
@@ -22,7 +24,9 @@ def _moe_route_kernel(
     BLOCK_E: tl.constexpr,  # next_power_of_2(E)
     BLOCK_K: tl.constexpr,  # next_power_of_2(TOP_K)
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
@@ -200,8 +204,10 @@ def _moe_grouped_gate_up_kernel(
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
     g_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
     u_ptrs = g_ptrs + INTER * stride_wn
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Transposed ([N, M], "swap AB"): the weight tile is the left operand, so BLOCK_N, not a
+    # block's few rows, is the tensor-core tile's long side (Hopper's wgmma needs 64 there).
+    acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             x = tl.load(x_ptrs)
@@ -213,16 +219,16 @@ def _moe_grouped_gate_up_kernel(
             wg = tl.load(g_ptrs, mask=k_ok, other=0.0)
             wu = tl.load(u_ptrs, mask=k_ok, other=0.0)
         # fp32 stays fp32 ("ieee"), as F.linear without TF32; ignored for 16-bit inputs.
-        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
-        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+        acc_g = tl.dot(wg, tl.trans(x), acc_g, input_precision="ieee")
+        acc_u = tl.dot(wu, tl.trans(x), acc_u, input_precision="ieee")
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     h = _silu_mul(acc_g, acc_u, out_ptr.dtype.element_ty)
     # Every row of the block, those without a pair too (token 0's, finite): the down GEMM
     # reads whole blocks, and no garbage (NaN) enters its tiles.
-    out_ptrs = out_ptr + (row0 + offs_m)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, h, mask=(offs_n < INTER)[None, :])
+    out_ptrs = out_ptr + (row0 + offs_m)[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, h, mask=(offs_n < INTER)[:, None])
 
 
 @triton.jit
@@ -263,7 +269,7 @@ def _moe_grouped_down_kernel(
     # stored.
     h_ptrs = h_ptr + (row0 + offs_m)[:, None] * stride_hm + offs_k[None, :]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + rows_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed, as in gate_up
     for k in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             h = tl.load(h_ptrs)
@@ -272,13 +278,13 @@ def _moe_grouped_down_kernel(
             k_ok = offs_k[None, :] < INTER - k
             h = tl.load(h_ptrs, mask=k_ok, other=0.0)
             w = tl.load(w_ptrs, mask=k_ok, other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+        acc = tl.dot(w, tl.trans(h), acc, input_precision="ieee")
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + pair, mask=m_ok, other=0.0)
-    y = _weighted(acc, weight[:, None], out_ptr.dtype.element_ty)
-    out_ptrs = out_ptr + pair[:, None] * stride_os + offs_n[None, :]
-    tl.store(out_ptrs, y, mask=m_ok[:, None] & (offs_n < H)[None, :])
+    y = _weighted(acc, weight[None, :], out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + pair[None, :] * stride_os + offs_n[:, None]
+    tl.store(out_ptrs, y, mask=m_ok[None, :] & (offs_n < H)[:, None])
 
 
 @triton.jit
@@ -298,9 +304,12 @@ def _moe_decode_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    if PDL:  # the expert ids and x come from earlier kernels
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,6 +337,8 @@ def _moe_decode_gate_up_kernel(
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if PDL:  # every weight chunk read: the successor's launch overlaps the stores and tail
+        tl.extra.cuda.gdc_launch_dependents()
     h = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), out_ptr.dtype.element_ty)
     tl.store(out_ptr + pair * stride_os + offs_n, h, mask=offs_n < INTER)
 
@@ -349,9 +360,12 @@ def _moe_decode_down_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
@@ -370,6 +384,8 @@ def _moe_decode_down_kernel(
         acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     y = _weighted(tl.sum(acc, axis=1), tl.load(weights_ptr + pair), out_ptr.dtype.element_ty)
     tl.store(out_ptr + pair * stride_os + offs_n, y, mask=offs_n < H)
 
@@ -383,7 +399,9 @@ def _moe_sum_kernel(
     stride_ps,
     stride_ot,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < H
