@@ -98,7 +98,7 @@ def test_route_ties_take_the_lowest_index_and_nan_rows_stay_valid(rng) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_path_matches_twin(rng, tokens, top_k, dtype) -> None:
     experts = 16
-    x = randn(rng, tokens, HIDDEN).to(dtype)
+    x = randn(rng, tokens, HIDDEN + 8).to(dtype)[:, 5 : 5 + HIDDEN]  # strided rows
     w_gate_up, w_down = expert_weights(rng, experts, dtype)
     weights, ids = routing(rng, tokens, experts, top_k)
     expected = experts_torch(x, w_gate_up, w_down, weights, ids)
@@ -138,7 +138,7 @@ def test_all_pairs_on_one_expert(rng, config) -> None:
     tokens, top_k = (2, 1) if isinstance(config, DecodeConfig) else (20, 2)
     x = randn(rng, tokens, HIDDEN)
     w_gate_up, w_down = expert_weights(rng, 5, torch.float32)
-    ids = torch.full((tokens, top_k), 3, device=DEVICE)
+    ids = torch.full((tokens, top_k), 3, dtype=torch.int32, device=DEVICE)  # any int dtype
     weights = torch.rand(tokens, top_k, generator=rng).to(DEVICE)
     got = triton_experts(x, w_gate_up, w_down, weights, ids, config)
     check(got, experts_torch(x, w_gate_up, w_down, weights, ids))
