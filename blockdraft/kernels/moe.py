@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.kernels.select import use_triton
+
 
 def route_torch(
     router_logits: torch.Tensor,  # [num_tokens, num_experts]
@@ -49,5 +51,11 @@ ExpertsFn = Callable[..., torch.Tensor]
 
 def moe_backend(device: torch.device | str | None = None) -> tuple[RouteFn, ExpertsFn]:
     """The (route, experts) pair the MoE layer calls for tensors on `device`, with the signatures
-    of `route_torch` and `experts_torch`: the one place an MoE kernel choice is made."""
+    of `route_torch` and `experts_torch`: the one place an MoE kernel choice is made. The
+    switch is `blockdraft.kernels.select`'s (the active policy's backend: Triton on CUDA by
+    default); the Triton module is imported on first use, as select does."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_moe
+
+        return triton_moe.triton_route, triton_moe.triton_experts
     return route_torch, experts_torch
