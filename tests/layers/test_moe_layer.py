@@ -11,6 +11,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from blockdraft.kernels import moe as moe_kernels
+from blockdraft.kernels.forward_context import use_kernel_policy
+from blockdraft.kernels.policy import KernelPolicy
 from blockdraft.layers.moe import SparseMoE
 from blockdraft.models.loader import load_weights
 from blockdraft.models.model_config import MoEConfig
@@ -25,8 +27,9 @@ def randomize(module: torch.nn.Module, rng: torch.Generator) -> None:
             p.copy_(torch.randn(p.shape, generator=rng) * 0.3)
 
 
+@pytest.mark.parametrize("backend,num_tokens", [("torch", 7), ("triton", 1), ("triton", 12)])
 @pytest.mark.parametrize("shared", [False, True], ids=["qwen3-moe", "qwen3-next-shared"])
-def test_matches_transformers_block(rng, shared: bool) -> None:
+def test_matches_transformers_block(rng, shared: bool, backend: str, num_tokens: int) -> None:
     common = dict(
         hidden_size=HIDDEN,
         num_experts=EXPERTS,
@@ -42,8 +45,9 @@ def test_matches_transformers_block(rng, shared: bool) -> None:
     randomize(ref, rng)
     ours = SparseMoE(HIDDEN, EXPERTS, TOP_K, INTER, not shared, SHARED if shared else 0)
     ours.load_state_dict(ref.state_dict(), strict=True)  # the same parameter names
-    x = torch.randn(7, HIDDEN, generator=rng)
-    with torch.no_grad():
+    # Triton: 1 token takes the decode path (T * k <= 16), 12 the grouped GEMMs.
+    x = torch.randn(num_tokens, HIDDEN, generator=rng)
+    with torch.no_grad(), use_kernel_policy(KernelPolicy(backend=backend)):
         expected = ref(x[None])
         expected = expected[0] if isinstance(expected, tuple) else expected
         got = ours(x)
