@@ -12,7 +12,7 @@ import torch
 
 from blockdraft.config import EngineConfig
 from blockdraft.layers.linear import fuse_projections
-from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
+from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
     init_dummy_weights,
@@ -21,7 +21,7 @@ from blockdraft.models.loader import (
     read_checkpoint,
     read_json,
 )
-from blockdraft.models.registry import resolve_architecture
+from blockdraft.models.registry import resolve_architecture, resolve_drafter
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
 from blockdraft.tokenizer import Tokenizer
 
@@ -68,9 +68,9 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
     )
     spec = config.speculative_config
-    draft_cfg, num_spec, draft_schedule = None, 0, None
+    draft_cfg, drafter_class, num_spec, draft_schedule = None, DFlashDrafter, 0, None
     if spec is not None:  # a drafter that does not fit fails here, before any weights load
-        draft_cfg = DFlashConfig.from_hf(read_json(Path(spec.model) / "config.json"))
+        draft_cfg, drafter_class = resolve_drafter(read_json(Path(spec.model) / "config.json"))
         draft_cfg.check_fits(target_cfg)
         num_spec = spec.num_speculative_tokens or default_num_drafts(
             draft_cfg.block_size, device.type
@@ -121,6 +121,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
             device,
             dummy=config.load_format == "dummy",
             cfg=draft_cfg,
+            drafter_class=drafter_class,
         )
         fuse_projections(drafter)
         model.capture_layer_ids = drafter.cfg.target_layer_ids

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from blockdraft.models.dflash2_drafter import DFlash2Config, DFlash2Drafter
+from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 
@@ -34,6 +36,30 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+
+
+# Drafters: config.json's `architectures` entry -> (config class, drafter class).
+DRAFTER_ARCHITECTURES: dict[str, tuple[type[DFlashConfig], type[DFlashDrafter]]] = {
+    cfg.architecture: (cfg, drafter)
+    for cfg, drafter in (
+        (DFlashConfig, DFlashDrafter),
+        (DFlash2Config, DFlash2Drafter),
+    )
+}
+
+
+def resolve_drafter(hf_config: dict) -> tuple[DFlashConfig, type[DFlashDrafter]]:
+    """A drafter's parsed config and its class from its config.json; a ValueError naming its
+    `architectures` and the supported ones otherwise."""
+    archs = hf_config.get("architectures") or []
+    for name in archs:
+        if name in DRAFTER_ARCHITECTURES:
+            config_class, drafter_class = DRAFTER_ARCHITECTURES[name]
+            return config_class.from_hf(hf_config), drafter_class
+    raise ValueError(
+        f"drafter config.json architectures is {archs!r}; supported: "
+        f"{', '.join(DRAFTER_ARCHITECTURES)}"
+    )
 
 
 def resolve_architecture(hf_config: dict) -> ModelArchitecture:
