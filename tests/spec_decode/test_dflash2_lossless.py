@@ -121,3 +121,61 @@ def test_greedy_batch_lossless(agreeing_pair, random_pair, kind: str, rng) -> No
         assert t.spec_accept_lengths == alone.spec_accept_lengths
     if kind == "agreeing":
         assert llm.engine.spec_stats.mean_acceptance_length > 3
+
+
+def two_sample_pvalue(a: list[int], b: list[int]) -> float:
+    """Chi-square test that two samples of small integers share one law (bins with fewer than
+    5 draws in both samples together are pooled)."""
+    from scipy.stats import chi2_contingency
+
+    values = sorted(set(a) | set(b))
+    table = [[a.count(v) for v in values], [b.count(v) for v in values]]
+    big = [i for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
+    small = [i for i in range(len(values)) if i not in big]
+    table = [[row[i] for i in big] + [sum(row[i] for i in small)] for row in table]
+    table = [row if small else row[:-1] for row in table]
+    return chi2_contingency(table).pvalue
+
+
+@pytest.mark.slow
+def test_sampling_is_lossless(random_pair) -> None:
+    """Thousands of seeded samples of the first tokens agree between speculative and plain
+    decoding (the second and third tokens come from the verify of the selector's drafts)."""
+    target, drafter = random_pair
+    prompt = [5, 17, 33, 8]
+    num = 3000
+    params = [
+        SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s)
+        for s in range(num)
+    ]
+    kw = dict(max_num_seqs=512, max_model_len=32)
+    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=spec(drafter, 3), **kw)
+    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    for position in (1, 2):
+        a = [o.outputs[0].token_ids[position] for o in ar]
+        s = [o.outputs[0].token_ids[position] for o in sd]
+        assert two_sample_pvalue(a, s) > 1e-3, position
+
+
+@pytest.mark.slow
+def test_sampled_acceptance_matches_zlab(agreeing_pair) -> None:
+    """At T > 0 the first verify's acceptance lengths follow the same law as z-lab's
+    dflash_generate with its DFlash2DraftModel (rejection sampling with the selector's q)."""
+    target, drafter = agreeing_pair
+    prompt, num, temperature = [5, 17, 33, 8, 9, 40], 160, 1.5
+    # 9 new tokens: the reference's first step verifies a whole block and nothing caps it.
+    ref = zlab2_generate(target, drafter, prompt, 9, temperature=temperature, runs=num)
+    ref_lengths = [lengths[0] for _, lengths in ref]
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), max_num_seqs=num)
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=9, ignore_eos=True, seed=s)
+        for s in range(num)
+    ]
+    outs = llm.generate([prompt] * num, params, use_tqdm=False)
+    lengths = [o.spec_accept_lengths[0] for o in outs]
+    assert len(set(ref_lengths)) >= 3 and len(set(lengths)) >= 3, (ref_lengths, lengths)
+    assert two_sample_pvalue(ref_lengths, lengths) > 1e-3, (sorted(ref_lengths), sorted(lengths))
+    assert abs(sum(ref_lengths) - sum(lengths)) / num < 0.6  # ~5 standard errors
