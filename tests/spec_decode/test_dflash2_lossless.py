@@ -179,3 +179,34 @@ def test_sampled_acceptance_matches_zlab(agreeing_pair) -> None:
     assert len(set(ref_lengths)) >= 3 and len(set(lengths)) >= 3, (ref_lengths, lengths)
     assert two_sample_pvalue(ref_lengths, lengths) > 1e-3, (sorted(ref_lengths), sorted(lengths))
     assert abs(sum(ref_lengths) - sum(lengths)) / num < 0.6  # ~5 standard errors
+
+
+def test_bench_and_server_metrics_report_dflash2_acceptance(agreeing_pair) -> None:
+    """`blockdraft bench` and the server's /metrics read a DFlash2 engine's acceptance as a
+    DFlash one's: per-request acceptance lengths and the engine's spec stats."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from blockdraft.bench import run_bench
+    from blockdraft.server.async_engine import AsyncEngine
+    from blockdraft.server.metrics import ServerMetrics
+
+    target, drafter = agreeing_pair
+    dflash2 = LLM(str(target), speculative_config=spec(drafter, 7))
+    ar = LLM(str(target))
+    (result,) = run_bench(ar, dflash2, {"toy": ["w10 w11", "w20 w21 w22"]}, [0.0], max_tokens=30)
+    assert result.mean_acceptance_length > 3 and sum(result.histogram.values()) >= 2
+    assert set(result.histogram) <= set(range(1, 9))
+
+    stats = dflash2.engine.spec_stats
+    metrics = ServerMetrics(AsyncEngine(dflash2.engine, max_waiting=1)).render().decode()
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert values["blockdraft:spec_decode_num_drafts_total"] == stats.num_drafts > 0
+    assert values["blockdraft:spec_decode_num_accepted_tokens_total"] == stats.num_accepted_tokens
+    assert values["blockdraft:spec_decode_mean_acceptance_length"] == pytest.approx(
+        stats.mean_acceptance_length
+    )
+    assert stats.mean_acceptance_length > 3
