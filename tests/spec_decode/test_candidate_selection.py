@@ -92,3 +92,60 @@ def test_dense_draft_probs() -> None:
     assert dense.shape == (1, 2, 6)
     assert torch.equal(dense[0, 0], torch.tensor([0.3, 0.0, 0.2, 0.0, 0.5, 0.0]))
     assert torch.allclose(dense[0, 1], torch.tensor([0.9, 0.1, 0.0, 0.0, 0.0, 0.0]))
+
+
+@torch.inference_mode()
+def test_graphed_selection_equals_eager(tmp_path, rng) -> None:
+    """A DFlash2 proposer's drafts through its captured graph (the CPU twin: the selector and
+    the requests' temperatures and seeds in persistent buffers) equal the eager run's, for a
+    batch mixing greedy and sampled requests, and their dense q sums to one over the
+    candidates."""
+    from benchmarks.common import write_dummy_drafter
+    from benchmarks.drafter_step_bench import TINY, TINY_DFLASH2, build_proposer
+    from blockdraft.layers.sampler import SamplingTensors
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    drafter_dir = write_dummy_drafter(
+        tmp_path, TINY, 2, 8, with_weights=False, dflash2=TINY_DFLASH2
+    )
+    proposer = build_proposer(drafter_dir, TINY, 128, 16, torch.float32, torch.device("cpu"))
+    for module in proposer.drafter.modules():  # larger weights than the dummy ones
+        for p in module.parameters(recurse=False):
+            p.normal_(0, 0.3)
+    batch, n, context_len = 3, 7, 20
+    i64 = dict(dtype=torch.int64)
+    tables = torch.arange(batch * 2, **i64).view(batch, 2)
+    rows = torch.arange(batch, **i64)
+    anchors = torch.randint(4, 200, (batch,), generator=rng)
+    inputs = proposer.prepare_inputs(
+        anchors,
+        torch.full((batch,), context_len, **i64),
+        rows,
+        torch.ones(batch, **i64),
+        rows,
+        tables,
+        n,
+        batch,
+    )
+    seeds = torch.randint(0, MAX_SEED, (batch,), generator=rng).tolist()
+    st = SamplingTensors.from_lists(
+        [0.0, 0.9, 1.7],
+        [0] * batch,
+        [1.0] * batch,
+        [0.0] * batch,
+        seeds,
+        [context_len + 1] * batch,
+        "cpu",
+    )
+    want_tokens, want_probs = proposer.propose(inputs, tables, context_len + n + 1, st, n)
+    proposer.capture_graphs(n, [2, 4], 2, None)
+    graph, replays = proposer.graphs[n + 1], []
+    run = graph.run
+    graph.run = lambda *a: replays.append(a[3].shape[0]) or run(*a)
+    got_tokens, got_probs = proposer.propose(inputs, tables, context_len + n + 1, st, n)
+    assert replays == [batch]
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_probs, want_probs)
+    assert torch.allclose(got_probs.sum(-1), torch.ones(batch, n))
+    assert torch.equal(got_probs[0], torch.nn.functional.one_hot(got_tokens[0], 256).float())
+    assert (got_probs.gather(2, got_tokens[..., None]) > 0).all()
