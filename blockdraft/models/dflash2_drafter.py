@@ -126,6 +126,7 @@ class CandidateSelector(nn.Module):
 
 
 class DFlash2Drafter(DFlashDrafter):
+    config_class: ClassVar[type[DFlashConfig]] = DFlash2Config
     cfg: DFlash2Config
 
     def __init__(self, cfg: DFlash2Config, target: DecoderLM, max_positions: int) -> None:

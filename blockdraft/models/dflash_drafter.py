@@ -161,6 +161,8 @@ class DFlashConfig:
 
 
 class DFlashDrafter(nn.Module):
+    config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
+
     def __init__(self, cfg: DFlashConfig, target: DecoderLM, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -253,7 +255,7 @@ def load_drafter(
     )
 
     if cfg is None:
-        cfg = DFlashConfig.from_hf(read_json(Path(path) / "config.json"))
+        cfg = drafter_class.config_class.from_hf(read_json(Path(path) / "config.json"))
     cfg.check_fits(target.cfg)
     with torch.device(device):
         drafter = drafter_class(cfg, target, max_positions).to(dtype)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from blockdraft.models.dflash2_drafter import DFlash2Config, DFlash2Drafter
+from blockdraft.models.dflash2_drafter import DFlash2Drafter
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
@@ -38,13 +38,9 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 }
 
 
-# Drafters: config.json's `architectures` entry -> (config class, drafter class).
-DRAFTER_ARCHITECTURES: dict[str, tuple[type[DFlashConfig], type[DFlashDrafter]]] = {
-    cfg.architecture: (cfg, drafter)
-    for cfg, drafter in (
-        (DFlashConfig, DFlashDrafter),
-        (DFlash2Config, DFlash2Drafter),
-    )
+# Drafters: config.json's `architectures` entry -> the drafter class (its config_class parses).
+DRAFTER_ARCHITECTURES: dict[str, type[DFlashDrafter]] = {
+    drafter.config_class.architecture: drafter for drafter in (DFlashDrafter, DFlash2Drafter)
 }
 
 
@@ -54,8 +50,8 @@ def resolve_drafter(hf_config: dict) -> tuple[DFlashConfig, type[DFlashDrafter]]
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in DRAFTER_ARCHITECTURES:
-            config_class, drafter_class = DRAFTER_ARCHITECTURES[name]
-            return config_class.from_hf(hf_config), drafter_class
+            drafter_class = DRAFTER_ARCHITECTURES[name]
+            return drafter_class.config_class.from_hf(hf_config), drafter_class
     raise ValueError(
         f"drafter config.json architectures is {archs!r}; supported: "
         f"{', '.join(DRAFTER_ARCHITECTURES)}"

@@ -156,12 +156,20 @@ def test_published_tensor_names_load(pair, tmp_path: Path) -> None:
 
 
 def test_dummy_weights_fill_every_drafter_tensor(pair) -> None:
+    """Random weights for a DFlash2 drafter whose config load_drafter reads itself (by the
+    drafter class's config_class), its convs and selector included."""
     target_dir, drafter_dir = pair
     target = _target(target_dir)
-    cfg, cls = resolve_drafter(read_json(drafter_dir / "config.json"))
     drafter = load_drafter(
-        str(drafter_dir), target, 256, torch.float32, torch.device("cpu"), True, cfg, cls
+        str(drafter_dir),
+        target,
+        256,
+        torch.float32,
+        torch.device("cpu"),
+        True,
+        drafter_class=DFlash2Drafter,
     )
+    assert isinstance(drafter.cfg, DFlash2Config)
     book = drafter.candidate_selector.successor_codebook.weight
     conv = drafter.layers[0].mlp_conv.base_kernel
     assert book.std() > 0.01 and conv.std() > 0.01
