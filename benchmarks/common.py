@@ -101,9 +101,11 @@ def write_dummy_drafter(
     num_layers: int = 1,
     block_size: int = 16,
     with_weights: bool = True,
+    dflash2: dict | None = None,
 ) -> Path:
     """A DFlash drafter shaped for `target_hf` with random weights (or only its config.json, for
-    load_format="dummy", where the engine makes the weights on the device)."""
+    load_format="dummy", where the engine makes the weights on the device). `dflash2`: a DFlash2
+    drafter instead, with these conv/selector fields (DFLASH2_FIELDS, the published ones)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     heads = target_hf["num_attention_heads"]
     n_target = target_hf["num_hidden_layers"]
@@ -128,6 +130,9 @@ def write_dummy_drafter(
         "block_size": block_size,
         "dflash_config": {"mask_token_id": 0, "target_layer_ids": ids},
     }
+    if dflash2 is not None:
+        cfg["architectures"] = ["DFlash2DraftModel"]
+        cfg["dflash_config"].update(dflash2)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     if with_weights:
         save_file(random_drafter_weights(cfg), str(out_dir / "model.safetensors"))
@@ -158,7 +163,36 @@ def random_drafter_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tens
         weights[f"layers.{i}.self_attn.q_norm.weight"] = torch.ones(d)
         weights[f"layers.{i}.self_attn.k_norm.weight"] = torch.ones(d)
     weights.update({name: torch.ones(h) for name in norms})
+    dflash2 = cfg["dflash_config"].get("selector_rank")
+    if dflash2:
+        weights.update(random_dflash2_weights(cfg, std))
     return weights
+
+
+# The conv and selector fields of z-lab's published DFlash2 drafters.
+DFLASH2_FIELDS = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+}
+
+
+def random_dflash2_weights(cfg: dict, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """The tensors a DFlash2 drafter adds to a DFlash one, codebooks named as published."""
+    dc, h, vocab = cfg["dflash_config"], cfg["hidden_size"], cfg["vocab_size"]
+    kernel, groups = dc["conv_kernel_size"], h // dc["conv_group_size"]
+    rank = dc["selector_rank"]
+    shapes = {
+        "candidate_selector.predecessor_codebook": (vocab, rank),
+        "candidate_selector.successor_codebook": (vocab, rank),
+        "candidate_selector.hidden_projection.weight": (rank, h),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, h)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * groups, h)
+    return {name: torch.randn(shape) * std for name, shape in shapes.items()}
 
 
 def start_requests(

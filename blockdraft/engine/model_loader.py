@@ -16,7 +16,7 @@ from torch import nn
 
 from blockdraft.config import EngineConfig, check_tensor_parallel_shape
 from blockdraft.layers.linear import fuse_projections
-from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
+from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
@@ -27,7 +27,7 @@ from blockdraft.models.loader import (
     read_checkpoint,
     read_json,
 )
-from blockdraft.models.registry import resolve_architecture
+from blockdraft.models.registry import resolve_architecture, resolve_drafter
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
 from blockdraft.tokenizer import Tokenizer
 
@@ -65,7 +65,7 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         check_tensor_parallel_shape(size, "the target", resolve_architecture(hf).parse_config(hf))
     spec = config.speculative_config
     if spec is not None:
-        draft_cfg = DFlashConfig.from_hf(read_drafter_checkpoint(spec.model).hf_config)
+        draft_cfg, _ = resolve_drafter(read_drafter_checkpoint(spec.model).hf_config)
         check_tensor_parallel_shape(size, "the drafter", draft_cfg.body)
 
 
@@ -119,9 +119,9 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         target_cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
     )
     spec = config.speculative_config
-    draft_cfg, num_spec, draft_schedule = None, 0, None
+    draft_cfg, drafter_class, num_spec, draft_schedule = None, DFlashDrafter, 0, None
     if spec is not None:  # a drafter that does not fit fails here, before any weights load
-        draft_cfg = DFlashConfig.from_hf(read_drafter_checkpoint(spec.model).hf_config)
+        draft_cfg, drafter_class = resolve_drafter(read_drafter_checkpoint(spec.model).hf_config)
         draft_cfg.check_fits(target_cfg)
         check_tensor_parallel_shape(config.tensor_parallel_size, "the drafter", draft_cfg.body)
         num_spec = spec.num_speculative_tokens or default_num_drafts(
@@ -179,6 +179,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
             device,
             dummy=config.load_format == "dummy",
             cfg=draft_cfg,
+            drafter_class=drafter_class,
         )
         fuse_projections(drafter)
         model.capture_layer_ids = drafter.cfg.target_layer_ids

@@ -3,7 +3,8 @@
 The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current_kernel_policy`)
 decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
 store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
-preparation, its training loss (LM head + cross-entropy), and the sampler's hashed uniforms and
+preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, and the
+sampler's hashed uniforms and
 exponential race: "auto" is Triton on CUDA when it imports, torch otherwise; "torch" / "triton"
 force one. Triton on a CPU tensor only runs under its interpreter, which reads
 TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton kernels
@@ -26,6 +27,7 @@ from typing import Generic, TypeVar
 import torch
 
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
+from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
@@ -48,6 +50,7 @@ DFlashInputsFn = Callable[..., object]
 LinearFn = Callable[..., torch.Tensor]
 HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
+DynamicConvFn = Callable[..., torch.Tensor]
 
 Fn = TypeVar("Fn")
 
@@ -208,3 +211,13 @@ def get_exponential_race_backend(device: torch.device | str | None = None) -> Ra
 
         return triton_sampling.triton_exponential_race
     return exponential_race_torch
+
+
+def get_dynamic_conv_backend(device: torch.device | str | None = None) -> DynamicConvFn:
+    """`fn(x, dynamic, base, block_len) -> out`, DFlash2's grouped dynamic causal convolution
+    (`blockdraft.kernels.dynamic_conv`); same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_dynamic_conv
+
+        return triton_dynamic_conv.triton_grouped_dynamic_causal_conv
+    return grouped_dynamic_causal_conv_torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -33,8 +34,33 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
 
 
+# Fields some published drafters set that change the drafter's computation in ways this one
+# does not implement: (field, the value that needs no support, what it means).
+UNSUPPORTED_FIELDS = (
+    ("attention_sink_bias", None, "attention sinks"),
+    # windowed layers given other than by layer_types / sliding_window (with swa_window_size)
+    ("use_swa", None, "sliding-window attention by use_swa / swa_window_size"),
+)
+
+
+def check_unsupported_fields(value) -> None:  # value(name, default) reads the drafter config
+    """A ValueError naming the first config field this engine cannot honour."""
+    for name, harmless, meaning in UNSUPPORTED_FIELDS:
+        if value(name, harmless) not in (harmless, False, 0):
+            raise ValueError(
+                f"drafter config sets {name}={value(name)!r} ({meaning}): not supported"
+            )
+    if value("is_neox_style", True) is False:
+        raise ValueError(
+            "drafter config sets is_neox_style=false (interleaved RoPE): only the "
+            "rotate-half (NeoX) layout is supported"
+        )
+
+
 @dataclass(frozen=True)
 class DFlashConfig:
+    architecture: ClassVar[str] = "DFlashDraftModel"  # config.json's `architectures` entry
+
     body: TransformerConfig  # the draft layers' shape (Qwen3 with q/k norms)
     block_size: int
     mask_token_id: int
@@ -52,9 +78,9 @@ class DFlashConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> DFlashConfig:
         archs = hf.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
+        if cls.architecture not in archs:
             raise ValueError(
-                f"drafter config.json architectures is {archs!r}; expected ['DFlashDraftModel']"
+                f"drafter config.json architectures is {archs!r}; expected [{cls.architecture!r}]"
             )
         dflash = hf.get("dflash_config") or {}
 
@@ -66,7 +92,14 @@ class DFlashConfig:
                 "this drafter samples from the anchor (DSpark layout, sample_from_anchor=true); "
                 "only DFlash drafters, whose anchor is the bonus token, are supported"
             )
+        check_unsupported_fields(value)
         body = qwen3_config(hf)
+        target_hidden = value("target_hidden_size")
+        if target_hidden is not None and int(target_hidden) != body.hidden_size:
+            raise ValueError(
+                f"drafter config sets target_hidden_size={target_hidden} unlike its hidden_size "
+                f"{body.hidden_size}: not supported"
+            )
         if value("mask_token_id") is None:
             raise ValueError("drafter config has no mask_token_id (in dflash_config)")
         num_target_layers = value("num_target_layers")
@@ -111,7 +144,13 @@ class DFlashConfig:
             output_multiplier=float(value("output_multiplier", 1.0) or 1.0),
             final_logit_softcapping=float(softcap) if softcap else None,
             draft_vocab_size=(None if draft_vocab in (None, body.vocab_size) else int(draft_vocab)),
+            **cls._extra_fields(value, body),
         )
+
+    @classmethod
+    def _extra_fields(cls, value, body: TransformerConfig) -> dict:
+        """A subclass's own fields, read with `value(name, default)`."""
+        return {}
 
     def check_fits(self, target: TransformerConfig) -> None:
         if self.body.hidden_size != target.hidden_size:
@@ -139,6 +178,8 @@ class DFlashDrafter(nn.Module):
     intermediate features split, and their K/V cache with them); `fc` and the norms, whose
     inputs are the target's features (the same on every rank), are replicated."""
 
+    config_class: ClassVar[type[DFlashConfig]] = DFlashConfig
+
     def __init__(self, cfg: DFlashConfig, target: DecoderLM, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -146,7 +187,7 @@ class DFlashDrafter(nn.Module):
         body = dataclasses.replace(cfg.body, max_position_embeddings=max_positions)
         rotary = RotaryEmbedding(body.head_dim, max_positions, body.rope_theta, body.rope_scaling)
         self.layers = nn.ModuleList(
-            DecoderLayer(body, rotary, causal, window)
+            self.make_layer(body, rotary, causal, window)
             for causal, window in zip(cfg.layer_causal, cfg.layer_window, strict=True)
         )
         hidden = body.hidden_size
@@ -166,6 +207,17 @@ class DFlashDrafter(nn.Module):
         )
         # The kernel the layers use (unless the RoPE kernel stores: fuse_kv_store_into_rope).
         self._store_kv = PerDevice(get_store_kv_backend)
+
+    def make_layer(
+        self, body: TransformerConfig, rotary: RotaryEmbedding, causal: bool, window: int | None
+    ) -> nn.Module:
+        return DecoderLayer(body, rotary, causal, window)
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        """The parameter a checkpoint tensor fills: published drafters may nest the fusion
+        under `encoder.` (`encoder.fc.weight`)."""
+        return name.removeprefix("encoder.")
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -221,10 +273,12 @@ def load_drafter(
     device: torch.device,
     dummy: bool = False,
     cfg: DFlashConfig | None = None,
+    drafter_class: type[DFlashDrafter] = DFlashDrafter,
 ) -> DFlashDrafter:
     """Builds the drafter for `target` from a checkpoint (a z-lab or vLLM speculators directory,
     or a llama.cpp GGUF; see `drafter_checkpoint`) or random weights; `cfg` is the checkpoint's
-    config when the caller has already read it."""
+    config when the caller has already read it (parsed by the config class of `drafter_class`,
+    the family the registry names)."""
     from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
     from blockdraft.models.loader import (
         init_dummy_weights,
@@ -235,18 +289,24 @@ def load_drafter(
 
     ckpt = read_drafter_checkpoint(path)
     if cfg is None:
-        cfg = DFlashConfig.from_hf(ckpt.hf_config)
+        cfg = drafter_class.config_class.from_hf(ckpt.hf_config)
     cfg.check_fits(target.cfg)
     with torch.device(device):
-        drafter = DFlashDrafter(cfg, target, max_positions).to(dtype)
+        drafter = drafter_class(cfg, target, max_positions).to(dtype)
     # The target's, unless the checkpoint ships its own (a reduced vocabulary always does).
     shared = ("embed_tokens.", "lm_head.") if cfg.draft_vocab_size is None else ("embed_tokens.",)
     if dummy:
-        own = [drafter.layers, drafter.fc, drafter.hidden_norm, drafter.norm]
-        for module in own + ([] if "lm_head." in shared else [drafter.lm_head]):
-            init_dummy_weights(module)
+        for name, module in drafter.named_children():
+            if f"{name}." not in shared:
+                init_dummy_weights(module)
     else:
-        tensors = dict(ckpt.read_tensors())
+        tensors = {drafter.checkpoint_name(name): t for name, t in ckpt.read_tensors()}
+        mask_embedding = [name for name in tensors if "mask_emb" in name]
+        if mask_embedding:
+            raise ValueError(
+                f"{path}: the drafter ships its own mask embedding ({mask_embedding[0]!r}): not "
+                "supported (the mask token is embedded with the target's embedding)"
+            )
         _load_draft_vocab(drafter, tensors.pop("d2t", None), tensors.pop("t2d", None), path)
         vocab, hidden = cfg.body.vocab_size, cfg.body.hidden_size
         with torch.device(device):

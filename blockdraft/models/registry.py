@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from blockdraft.models.dflash2_drafter import DFlash2Drafter
+from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 from blockdraft.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
@@ -37,6 +39,26 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
+
+
+# Drafters: config.json's `architectures` entry -> the drafter class (its config_class parses).
+DRAFTER_ARCHITECTURES: dict[str, type[DFlashDrafter]] = {
+    drafter.config_class.architecture: drafter for drafter in (DFlashDrafter, DFlash2Drafter)
+}
+
+
+def resolve_drafter(hf_config: dict) -> tuple[DFlashConfig, type[DFlashDrafter]]:
+    """A drafter's parsed config and its class from its config.json; a ValueError naming its
+    `architectures` and the supported ones otherwise."""
+    archs = hf_config.get("architectures") or []
+    for name in archs:
+        if name in DRAFTER_ARCHITECTURES:
+            drafter_class = DRAFTER_ARCHITECTURES[name]
+            return drafter_class.config_class.from_hf(hf_config), drafter_class
+    raise ValueError(
+        f"drafter config.json architectures is {archs!r}; supported: "
+        f"{', '.join(DRAFTER_ARCHITECTURES)}"
+    )
 
 
 def resolve_architecture(hf_config: dict) -> ModelArchitecture:

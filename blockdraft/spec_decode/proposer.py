@@ -13,6 +13,8 @@ the step's tokens are read back to the host), all from device tensors:
    p .. p+N runs through the drafter in one forward; its rows 1..N give N draft tokens. N may
    be below the drafter's block_size - 1 (the engine picks it by batch size): the drafter
    attends within the block it is given, so a shorter block is the same model on fewer masks.
+   A DFlash2 drafter's head (its logits, the candidate selector and the path walk) runs in the
+   same forward, so inside the same CUDA graph (`candidate_selection`).
 
 The drafter cache shares the target's block tables: a position's drafter K/V sits in the same
 slot as its target K/V, so prefix caching, preemption and freeing need no extra bookkeeping.
@@ -29,8 +31,10 @@ from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.forward_context import AttentionMetadata, forward_context
 from blockdraft.kernels.select import PerDevice, get_dflash_inputs_backend
 from blockdraft.layers.sampler import SamplingTensors
+from blockdraft.models.dflash2_drafter import DFlash2Drafter
 from blockdraft.models.dflash_drafter import DFlashDrafter
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.spec_decode.candidate_selection import dense_draft_probs, select_drafts
 from blockdraft.spec_decode.graphed_context import GraphedContext
 from blockdraft.spec_decode.rejection_sampler import sample_drafts
 
@@ -43,6 +47,10 @@ class DFlashProposer:
         self._prepare = PerDevice(get_dflash_inputs_backend)  # Triton on CUDA, else the twin
         self.graphs: dict[int, CUDAGraphRunner] = {}  # block length 1+N -> captured forwards
         self.graphed_contexts: dict[int, GraphedContext] = {}  # their context K/V inputs
+        # DFlash2: the drafter's head selects the drafts, from the requests' temperatures and
+        # seeds (persistent [max batch] inputs of each graph).
+        self.selects = isinstance(drafter, DFlash2Drafter)
+        self.graph_sampling: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def prepare_inputs(
         self,
@@ -83,7 +91,8 @@ class DFlashProposer:
         block_tables: torch.Tensor,  # [R, W] int64
         max_seq_len: int,  # an upper bound on inputs.seq_lens, known on the host
         context: torch.Tensor | None = None,  # [R * Q, K * hidden]: features to write first
-    ) -> torch.Tensor:  # [R * Q, hidden]
+        st: SamplingTensors | None = None,  # one row per request: a selecting drafter's head
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [R * Q, hidden], or select_drafts' output
         if context is not None:
             self.write_context(context, inputs)
         meta = AttentionMetadata(
@@ -97,7 +106,12 @@ class DFlashProposer:
             uniform_query_len=True,
         )
         with forward_context(meta):
-            return self.drafter(inputs.input_ids, inputs.positions)
+            hidden = self.drafter(inputs.input_ids, inputs.positions)
+            if not self.selects:
+                return hidden
+            return select_drafts(
+                self.drafter, hidden, inputs.input_ids, inputs.positions, st.temperature, st.seed
+            )
 
     def run_block(
         self,
@@ -106,7 +120,8 @@ class DFlashProposer:
         block_tables: torch.Tensor,  # [R, W] int64, on the device
         max_seq_len: int,
         context: torch.Tensor | None = None,  # [R * Q, K * hidden]: features to write first
-    ) -> torch.Tensor:  # [R * Q, hidden]
+        st: SamplingTensors | None = None,  # one row per request: a selecting drafter's head
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [R * Q, hidden], or select_drafts' output
         """Replays a CUDA graph of the drafter when one was captured for this block length and
         batch, copying the device-built inputs into its buffers on the device; else runs
         eagerly. `context` (a uniform step's features, one row per block row) is written inside
@@ -115,7 +130,7 @@ class DFlashProposer:
         q = rows // num_reqs
         graph, graphed = self.graphs.get(q), self.graphed_contexts.get(q)
         if graph is None or not graph.fits(num_reqs, block_tables.shape[1]):
-            return self.eager_block(inputs, num_reqs, block_tables, max_seq_len, context)
+            return self.eager_block(inputs, num_reqs, block_tables, max_seq_len, context, st)
         if graphed is not None and context is not None and context.shape[0] == rows:
             graphed.load(context, inputs.context_positions, inputs.context_slot_mapping)
         else:
@@ -123,9 +138,15 @@ class DFlashProposer:
                 self.write_context(context, inputs)
             if graphed is not None:
                 graphed.clear()
+        if self.selects:
+            temperature, seed = self.graph_sampling[q]
+            temperature[:num_reqs].copy_(st.temperature)
+            seed[:num_reqs].copy_(st.seed)
         out = graph.run(
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, block_tables
         )
+        if self.selects:
+            return tuple(t[:num_reqs] for t in out)
         return out[:rows]
 
     def propose(
@@ -143,6 +164,13 @@ class DFlashProposer:
         features when their K/V write was left to the block run (a uniform step, whose
         context rows are the block rows), else None (written already)."""
         num_reqs, n = block_tables.shape[0], num_drafts
+        if self.selects:
+            tokens, candidates, q = self.run_block(
+                inputs, num_reqs, block_tables, max_seq_len, context, st
+            )
+            if st.all_greedy:
+                return tokens, None
+            return tokens, dense_draft_probs(candidates, q, self.drafter.lm_head.weight.shape[0])
         hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len, context)
         draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)
@@ -159,8 +187,21 @@ class DFlashProposer:
         compiles the drafter-input kernel for N."""
         q = num_drafts + 1
         graphed = GraphedContext(self.drafter, batch_sizes[-1] * q, self.device)
+        forward = graphed.forward
+        if self.selects:
+            temperature = torch.zeros(batch_sizes[-1], dtype=torch.float32, device=self.device)
+            seed = torch.zeros(batch_sizes[-1], dtype=torch.int64, device=self.device)
+            self.graph_sampling[q] = temperature, seed
+
+            def forward(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple:
+                r = input_ids.shape[0] // q
+                hidden = graphed.forward(input_ids, positions)
+                return select_drafts(
+                    self.drafter, hidden, input_ids, positions, temperature[:r], seed[:r]
+                )
+
         runner = CUDAGraphRunner(
-            graphed.forward, q, batch_sizes, max_blocks_per_seq, self.block_size, self.device, pool
+            forward, q, batch_sizes, max_blocks_per_seq, self.block_size, self.device, pool
         )
         runner.capture()
         self.graphed_contexts[q], self.graphs[q] = graphed, runner

@@ -1,0 +1,167 @@
+"""The DFlash2 drafter: the DFlash drafter with a grouped dynamic causal convolution around each
+layer's attention and MLP, and a candidate selector that drafts a path through the top-K tokens
+of each block position instead of taking each position's argmax on its own.
+
+Convolutions run over the query block only (the anchor and its masks, rows of one request's
+block), never over the context: the context rows enter as keys and values exactly as in DFlash.
+
+The selector re-scores position i's top-K candidates given the token drafted at i - 1 (the
+anchor for i = 0): `score[k] = logit[k] + <pred[prev] * proj(h_i), succ[cand_k]>` with two
+token codebooks of rank r and a projection of the drafter's hidden state. `transition_scores`
+gives the scores for every candidate predecessor at once; the path walk that picks one
+candidate per position (greedy, or sampled with its own proposal probabilities) lives in
+`blockdraft.spec_decode.candidate_selection`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from blockdraft.kernels.forward_context import get_attention_metadata
+from blockdraft.layers.dynamic_conv import GroupedDynamicCausalConv
+from blockdraft.layers.linear import linear
+from blockdraft.layers.norm import final_norm
+from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
+from blockdraft.models.llama import DecoderLayer, DecoderLM
+from blockdraft.models.model_config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class DFlash2Config(DFlashConfig):
+    architecture: ClassVar[str] = "DFlash2DraftModel"
+
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @classmethod
+    def _extra_fields(cls, value, body: TransformerConfig) -> dict:
+        fields = {}
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if value(name) is None:
+                raise ValueError(f"DFlash2 drafter config has no {name}")
+            fields[name] = int(value(name))
+            if fields[name] < 1:
+                raise ValueError(f"DFlash2 drafter config sets {name}={fields[name]}; need >= 1")
+        if body.hidden_size % fields["conv_group_size"]:
+            raise ValueError(
+                f"conv_group_size {fields['conv_group_size']} does not divide hidden_size "
+                f"{body.hidden_size}"
+            )
+        if fields["selector_top_k"] > body.vocab_size:
+            raise ValueError(
+                f"selector_top_k {fields['selector_top_k']} exceeds vocab_size {body.vocab_size}"
+            )
+        return fields
+
+
+class DFlash2DecoderLayer(DecoderLayer):
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        rotary: RotaryEmbedding,
+        causal: bool,
+        window: int | None,
+        kernel_size: int,
+        group_size: int,
+    ) -> None:
+        super().__init__(cfg, rotary, causal, window)
+        self.attention_conv = GroupedDynamicCausalConv(cfg.hidden_size, kernel_size, group_size)
+        self.mlp_conv = GroupedDynamicCausalConv(cfg.hidden_size, kernel_size, group_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [rows, hidden], blocks of block_len rows
+        positions: torch.Tensor,  # [rows] int64
+        residual: torch.Tensor | None,  # [rows, hidden]; None: x is the stream
+        block_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), unsummed
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, kernel = self.attention_conv.prepare(h, block_len)
+        h = self.attention_conv.finish(self.self_attn(h, positions), kernel, block_len)
+        h, residual = self.post_attention_layernorm(h, residual)
+        h, kernel = self.mlp_conv.prepare(h, block_len)
+        return self.mlp_conv.finish(self.mlp(h), kernel, block_len), residual
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, cfg: DFlash2Config) -> None:
+        super().__init__()
+        vocab, rank = cfg.body.vocab_size, cfg.selector_rank
+        self.top_k = cfg.selector_top_k
+        self.predecessor_codebook = nn.Embedding(vocab, rank)
+        self.successor_codebook = nn.Embedding(vocab, rank)
+        self.hidden_projection = nn.Linear(cfg.body.hidden_size, rank, bias=False)
+
+    def transition_scores(
+        self,
+        hidden: torch.Tensor,  # [R, N, hidden], the drafter's rows 1..N of each block
+        logits: torch.Tensor,  # [R, N, V] float32, the drafter's logits there
+        anchors: torch.Tensor,  # [R] int64, each block's anchor token
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # candidates [R, N, K] int64, scores [R, N, K, K]
+        """scores[r, i, j, k]: candidate k of position i after candidate j of position i - 1
+        (float32). Position 0 follows the anchor: its K rows are equal."""
+        num_reqs, n, _ = hidden.shape
+        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
+        projected = linear(hidden, self.hidden_projection.weight, None).float()  # [R, N, r]
+        successor = self.successor_codebook(candidates).float() * projected[:, :, None, :]
+        anchor = self.predecessor_codebook(anchors).float()[:, None, None, :]
+        predecessor = torch.cat(
+            [
+                anchor.expand(num_reqs, 1, self.top_k, -1),
+                self.predecessor_codebook(candidates[:, : n - 1]).float(),
+            ],
+            dim=1,
+        )  # [R, N, K, r]: row j of position i is candidate j of position i - 1
+        return candidates, unary[:, :, None, :] + predecessor @ successor.transpose(-1, -2)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    config_class: ClassVar[type[DFlashConfig]] = DFlash2Config
+    cfg: DFlash2Config
+
+    def __init__(self, cfg: DFlash2Config, target: DecoderLM, max_positions: int) -> None:
+        super().__init__(cfg, target, max_positions)
+        self.candidate_selector = CandidateSelector(cfg)
+
+    def make_layer(
+        self, body: TransformerConfig, rotary: RotaryEmbedding, causal: bool, window: int | None
+    ) -> nn.Module:
+        cfg = self.cfg
+        return DFlash2DecoderLayer(
+            body, rotary, causal, window, cfg.conv_kernel_size, cfg.conv_group_size
+        )
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str:
+        # Published checkpoints store the codebooks as bare tensors, without `.weight`.
+        name = DFlashDrafter.checkpoint_name(name)
+        if name.endswith("_codebook"):
+            return name + ".weight"
+        return name
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, blocks [anchor, MASK x N]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        meta = get_attention_metadata()
+        if not meta.uniform_query_len:
+            raise ValueError("DFlash2 drafter blocks must all have the same length")
+        block_len = meta.max_query_len  # the convolutions run within each block
+        x = self.embed_tokens(input_ids)
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * self.cfg.input_embedding_scale
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, positions, residual, block_len)
+        return final_norm(self.norm, x, residual)
