@@ -208,18 +208,28 @@ def resolve_device(device: str) -> str:
 def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
     """Whether a model (`what`: "the target", "the drafter") splits over `size` ranks: its
     query heads, its KV heads (or, fewer KV heads than ranks, the ranks over them: each KV head
-    is then replicated on the ranks of its query heads) and its intermediate size. `cfg` has
-    num_heads, num_kv_heads and intermediate_size (a models TransformerConfig)."""
+    is then replicated on the ranks of its query heads), the intermediate size of its dense
+    MLPs and, for a mixture of experts, its experts (each rank holds whole experts, whatever
+    their width) and its shared expert's intermediate size. `cfg` has num_heads, num_kv_heads,
+    intermediate_size and optionally num_layers and moe (a models TransformerConfig)."""
     if size == 1:
         return
     heads, kv_heads, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    moe = getattr(cfg, "moe", None)
     problems = []
     if heads % size:
         problems.append(f"its {heads} attention heads")
     if kv_heads % size and size % kv_heads:
         problems.append(f"its {kv_heads} KV heads (nor is it a multiple of them)")
-    if inter % size:
+    dense = moe is None or any(not moe.is_sparse(i) for i in range(cfg.num_layers))
+    if dense and inter % size:
         problems.append(f"its intermediate_size {inter}")
+    if moe is not None and moe.num_experts % size:
+        problems.append(f"its {moe.num_experts} experts")
+    if moe is not None and moe.shared_expert_intermediate_size % size:
+        problems.append(
+            f"its shared_expert_intermediate_size {moe.shared_expert_intermediate_size}"
+        )
     if problems:
         raise ValueError(
             f"tensor_parallel_size {size} does not divide {' and '.join(problems)} of {what}: "

@@ -23,6 +23,7 @@ from blockdraft.models.loader import (
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
+    other_ranks_tensors,
     param_shards,
     read_checkpoint,
     read_json,
@@ -153,7 +154,9 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         params = dict(model.named_parameters())
         load_weights(
             params,
-            iter_checkpoint_tensors(ckpt, param_shards(params)),
+            iter_checkpoint_tensors(
+                ckpt, param_shards(params), other_ranks_tensors(params, model.checkpoint_slice)
+            ),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

@@ -1,7 +1,8 @@
 """Dense SwiGLU MLP: `down(silu(gate(x)) * up(x))`, gate and up fused into one GEMM.
 
 Under tensor parallelism each rank holds a slice of the intermediate features: gate/up
-column-parallel, down row-parallel, one all-reduce after it."""
+column-parallel, down row-parallel, one all-reduce after it (or none, `reduce_output=False`: a
+caller that adds the partial sums to other partial sums reduces them all at once)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from blockdraft.layers.linear import fuse_linears, linear, prologue_fits, skinny
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, reduce_output: bool = True
+    ) -> None:
         super().__init__()
         self.tp = tp = current_tensor_parallel()
+        self.reduce_output = reduce_output
         full = intermediate_size
         if tp is not None:
             start, stop = tp.split(full)
@@ -42,8 +46,7 @@ class MLP(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         if self._gate_up is None:
-            out = self.down(self.gate_proj(x), self.up_proj(x))
-            return out if self.tp is None else self.tp.all_reduce(out)
+            return self._reduce(self.down(self.gate_proj(x), self.up_proj(x)))
         return self.down_gate_up(linear(x, *self._gate_up))
 
     def down_gate_up(
@@ -59,8 +62,17 @@ class MLP(nn.Module):
         else:
             # row-strided halves of one output; the activation kernel reads them in place
             out = self.down(*gate_up.chunk(2, dim=-1))
-        # Row-parallel down_proj (no bias): the partial sums of every rank added up.
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self._reduce(out)
+
+    def _reduce(
+        self,
+        out: torch.Tensor,  # [num_tokens, hidden] this rank's partial sum under tensor parallelism
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """Row-parallel down_proj (no bias): the partial sums of every rank added up, unless
+        the caller reduces them (`reduce_output=False`)."""
+        if self.tp is None or not self.reduce_output:
+            return out
+        return self.tp.all_reduce(out)
 
     def down(
         self,

@@ -4,7 +4,13 @@ optionally a shared expert every token goes through, scaled by a sigmoid gate (Q
 Qwen3.5-MoE). Parameter names follow transformers 5 (`gate.weight`,
 `experts.gate_up_proj`, `experts.down_proj`, `shared_expert.*`, `shared_expert_gate.weight`)
 so that state dicts match; checkpoints with one tensor per expert are stacked at load
-(`expert_tensor_slice`)."""
+(`expert_tensor_slice`).
+
+Under tensor parallelism each rank holds a contiguous range of the experts (`num_experts`
+divisible by the ranks) and the router whole: every rank routes every token alike, runs its own
+experts on the slots routed to them (the others weigh zero, so shapes stay fixed: no host sync,
+CUDA-graph safe) and the ranks' partial sums meet in one all-reduce, which also sums the shared
+expert's (split like the dense MLP, its intermediate features over the ranks)."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import re
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
 from blockdraft.kernels.moe import moe_backend
 from blockdraft.kernels.select import PerDevice
 from blockdraft.layers.linear import linear
@@ -26,14 +33,30 @@ _PER_EXPERT = re.compile(
 
 class Experts(nn.Module):
     """The experts' weights, stacked: `gate_up_proj[e]` holds expert e's gate rows then its up
-    rows."""
+    rows. Under tensor parallelism, only experts `start:stop` of `num_experts`."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        )
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        tp = current_tensor_parallel()
+        self.start, self.stop = (0, num_experts) if tp is None else tp.split(num_experts)
+        local = self.stop - self.start
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(local, hidden_size, intermediate_size))
+        if tp is not None:
+            shard = Shard(0, self.start, self.stop, num_experts)
+            tag_shard(self.gate_up_proj, shard)
+            tag_shard(self.down_proj, shard)
+
+    def local_routes(
+        self,
+        weights: torch.Tensor,  # [num_tokens, top_k] fp32
+        ids: torch.Tensor,  # [num_tokens, top_k] int, of all the experts
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights, ids), same shapes
+        """The routes with ids into this rank's experts: the slots routed elsewhere go to local
+        expert 0 with weight zero."""
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.stop - self.start)
+        return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
 
 
 class SparseMoE(nn.Module):
@@ -47,13 +70,16 @@ class SparseMoE(nn.Module):
         shared_expert_intermediate_size: int = 0,  # 0: no shared expert
     ) -> None:
         super().__init__()
+        self.tp = current_tensor_parallel()
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)  # replicated
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
         self.shared_expert: MLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: nn.Linear | None = None  # replicated
         if shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert = MLP(
+                hidden_size, shared_expert_intermediate_size, reduce_output=False
+            )
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self._backend = PerDevice(moe_backend)
 
@@ -63,11 +89,14 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, hidden]
         route, experts = self._backend(x.device)
         weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if self.tp is not None:
+            weights, ids = self.experts.local_routes(weights, ids)
         out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared_expert is not None:
             gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight))
             out = out + gate * self.shared_expert(x)
-        return out
+        # One all-reduce for the routed and the shared experts' partial sums.
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def expert_tensor_slice(name: str, intermediate_size: int) -> tuple[str, tuple[int, slice]] | None:

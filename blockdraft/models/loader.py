@@ -126,18 +126,26 @@ def shard_tensors(tensors, shards: dict[str, Shard], source: object):
         yield name, tensor
 
 
-def iter_checkpoint_tensors(ckpt: Checkpoint, shards: dict[str, Shard] | None = None):
-    """(name, tensor) of every checkpoint tensor; for a name in `shards`, only that slice,
-    read alone from safetensors (`get_slice`), so that a tensor-parallel rank never holds the
-    tensors whole (GGUF checkpoints are dequantized whole at open, then sliced)."""
+def iter_checkpoint_tensors(
+    ckpt: Checkpoint,
+    shards: dict[str, Shard] | None = None,
+    skip=lambda name: False,  # name -> True for a tensor this rank does not hold
+):
+    """(name, tensor) of every checkpoint tensor but those `skip` names (never read); for a
+    name in `shards`, only that slice, read alone from safetensors (`get_slice`), so that a
+    tensor-parallel rank never holds the tensors whole (GGUF checkpoints are dequantized whole
+    at open, then sliced)."""
     shards = shards or {}
     if ckpt.state_dict is not None:
-        yield from shard_tensors(ckpt.state_dict.items(), shards, "checkpoint")
+        kept = ((n, t) for n, t in ckpt.state_dict.items() if not skip(n))
+        yield from shard_tensors(kept, shards, "checkpoint")
         return
     for file in ckpt.weight_files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if skip(name):
+                        continue
                     shard = shards.get(name)
                     if shard is None:
                         yield name, f.get_tensor(name)
@@ -149,6 +157,28 @@ def iter_checkpoint_tensors(ckpt: Checkpoint, shards: dict[str, Shard] | None = 
             raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
 
 
+def _shard_entry(params: dict[str, nn.Parameter], where: tuple[str, tuple]) -> Shard | None:
+    """The shard of the parameter `where` (parameter name, index) places a tensor in, where
+    the index picks one entry of the sharded dim (an expert of experts split over the ranks)."""
+    target, index = where
+    shard = param_shard(params[target]) if target in params else None
+    if shard is None or not isinstance(index[shard.dim], int):
+        return None
+    return shard
+
+
+def other_ranks_tensors(params: dict[str, nn.Parameter], locate):
+    """For `iter_checkpoint_tensors`' skip: whether `locate` places a tensor in an entry of a
+    sharded dim that another tensor-parallel rank holds (so this rank never reads it)."""
+
+    def skip(name: str) -> bool:
+        where = locate(name)
+        shard = None if where is None else _shard_entry(params, where)
+        return shard is not None and not shard.start <= where[1][shard.dim] < shard.stop
+
+    return skip
+
+
 def load_weights(
     params: dict[str, nn.Parameter],
     tensors,  # iterable of (name, tensor)
@@ -158,13 +188,21 @@ def load_weights(
 ) -> None:
     """Copy checkpoint tensors into `params`; every parameter must be filled, either by a
     tensor of its own name or by the slices `locate` places (per-expert tensors stacked into
-    one parameter). A parameter that holds a tensor-parallel shard takes its slice (read so by
-    `iter_checkpoint_tensors`) at its start; a padded tail stays as it is."""
+    one parameter; its index is into the whole parameter). A parameter that holds a
+    tensor-parallel shard takes its slice (read so by `iter_checkpoint_tensors`) at its start;
+    a padded tail stays as it is; a slice `locate` places at one entry of its sharded dim goes
+    to the rank holding that entry (the others pass it over: see `other_ranks_tensors`)."""
     views = {name: _loaded_part(p) for name, p in params.items()}
     filled = dict.fromkeys(params, 0)  # elements written so far
     for name, tensor in tensors:
         where = locate(name)
         target, index = (name, ...) if where is None else where
+        shard = None if where is None else _shard_entry(params, where)
+        if shard is not None:
+            entry = index[shard.dim]
+            if not shard.start <= entry < shard.stop:
+                continue  # another rank's
+            index = (*index[: shard.dim], entry - shard.start, *index[shard.dim + 1 :])
         if target not in params:
             if ignore(name):
                 continue

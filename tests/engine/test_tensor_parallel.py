@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU (gloo): 2 and 4 ranks give the tokens of one process, greedy
 and seeded-sampled, with and without DFlash; a killed worker makes the engine raise at once;
 workers exit when their driver dies; sizes that do not split the models fail before any worker
-starts; each rank loads only its slice of every sharded tensor."""
+starts; each rank loads only its slice of every sharded tensor. MoE targets: each rank holds
+and reads only its range of the experts, the ranks' partial sums of the routed and shared
+experts add up to one process's output in one all-reduce."""
 
 import multiprocessing
 import os
@@ -9,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,17 +26,28 @@ from blockdraft.distributed.tensor_parallel import (
     building_tensor_parallel,
     param_shard,
 )
+from blockdraft.layers.linear import fuse_projections
+from blockdraft.layers.moe import SparseMoE
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.loader import (
+    Checkpoint,
     iter_checkpoint_tensors,
     load_weights,
+    other_ranks_tensors,
     param_shards,
     read_checkpoint,
     read_json,
+    shard_tensors,
 )
+from blockdraft.models.model_config import MoEConfig
 from blockdraft.models.registry import resolve_architecture
 
-from checkpoints import make_dflash_drafter, make_llama_checkpoint, make_qwen3_checkpoint
+from checkpoints import (
+    make_dflash_drafter,
+    make_llama_checkpoint,
+    make_qwen3_checkpoint,
+    make_qwen3_moe_checkpoint,
+)
 
 # 150 words: 4 ranks hold 38, 38, 38 and 36 of them (the last padded). Four query heads, two
 # KV heads (split over 2 ranks, replicated over 4) on Qwen3; one (replicated) on Llama.
@@ -93,6 +107,28 @@ def test_outputs_equal_one_process(models, rng, size: int, family: str, speculat
     assert generate(models[family], drafter, size, prompts) == expected
 
 
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    """8 experts (2 per rank over 4), top 2; layer 0 sparse, layer 1 dense."""
+    root = tmp_path_factory.mktemp("tp_moe")
+    kw = dict(vocab_size=VOCAB, num_layers=2, mlp_only_layers=(1,), seed=5)
+    moe = make_qwen3_moe_checkpoint(root / "moe", **kw)
+    return {
+        "moe": moe,
+        "stacked": make_qwen3_moe_checkpoint(root / "stacked", stacked_experts=True, **kw),
+        "drafter": make_dflash_drafter(root / "drafter", moe, target_layer_ids=[0, 1]),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, speculate", [(2, False), (2, True), (4, True)])
+def test_moe_outputs_equal_one_process(moe_models, rng, size: int, speculate: bool) -> None:
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (3, 9, 21)]
+    drafter = moe_models["drafter"] if speculate else None
+    expected = generate(moe_models["moe"], drafter, 1, prompts)
+    assert generate(moe_models["moe"], drafter, size, prompts) == expected
+
+
 @pytest.mark.slow
 def test_killed_worker_makes_the_engine_raise(models) -> None:
     llm = LLM(str(models["qwen3"]), speculative_config=None, tensor_parallel_size=2, num_threads=1)
@@ -134,6 +170,13 @@ def test_sizes_that_do_not_split_the_target_fail_before_workers_start(models) ->
     assert not multiprocessing.active_children()
 
 
+def test_experts_that_do_not_split_fail_before_workers_start(tmp_path) -> None:
+    target = make_qwen3_moe_checkpoint(tmp_path / "moe", num_layers=1, num_experts=6)
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 does not divide its 6 experts"):
+        LLM(str(target), speculative_config=None, tensor_parallel_size=4)
+    assert not multiprocessing.active_children()
+
+
 def test_drafter_that_does_not_split_fails_before_workers_start(models, tmp_path) -> None:
     drafter = make_dflash_drafter(
         tmp_path / "odd", models["qwen3"], num_heads=3, num_kv_heads=1, target_layer_ids=[0, 1]
@@ -161,6 +204,34 @@ def test_shape_check_names_what_does_not_divide(
     cfg = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, intermediate_size=intermediate)
     with pytest.raises(ValueError, match=message):
         check_tensor_parallel_shape(size, "the target", cfg)
+
+
+def moe_shape(intermediate: int, experts: int, moe_intermediate: int, shared: int = 0, **kw):
+    moe = MoEConfig(
+        experts, 2, moe_intermediate, True, shared_expert_intermediate_size=shared, **kw
+    )
+    return SimpleNamespace(
+        num_heads=4, num_kv_heads=4, intermediate_size=intermediate, num_layers=4, moe=moe
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        (moe_shape(64, 6, 32), "its 6 experts"),
+        (moe_shape(64, 8, 32, shared=30), "its shared_expert_intermediate_size 30"),
+        (moe_shape(66, 8, 32, mlp_only_layers=(2,)), "its intermediate_size 66"),
+    ],
+)
+def test_shape_check_names_what_does_not_split_the_experts(cfg, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel_shape(4, "the target", cfg)
+
+
+def test_shape_check_splits_experts_not_their_width() -> None:
+    """Each rank holds whole experts: their width need not divide; an all-sparse model has no
+    dense MLP whose width would."""
+    check_tensor_parallel_shape(4, "the target", moe_shape(66, 8, 30))
 
 
 def test_shape_check_accepts_replicated_kv_heads() -> None:
@@ -245,6 +316,98 @@ def test_each_rank_loads_its_slices(models, size: int) -> None:
     # Two KV heads: split over 2 ranks, each replicated on 2 of 4.
     k = "model.layers.0.self_attn.k_proj.weight"
     assert torch.equal(torch.cat(covered[k][:: max(size // 2, 1)]), full[k])
+
+
+def _read_names(tensors, names: list[str]):
+    for name, tensor in tensors:
+        names.append(name)
+        yield name, tensor
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("source", ["per-expert", "stacked", "in-memory"])
+def test_each_rank_loads_its_experts(moe_models, size: int, source: str) -> None:
+    """Rank r holds experts [r*E/N, (r+1)*E/N) of every sparse layer (the router whole) and
+    reads no other expert's tensor: per-expert safetensors tensors of other ranks are skipped
+    unread, stacked ones sliced at read, preloaded (GGUF) ones passed over."""
+    path = moe_models["stacked" if source == "stacked" else "moe"]
+    hf = read_json(path / "config.json")
+    arch = resolve_architecture(hf)
+    full = dict(iter_checkpoint_tensors(read_checkpoint(str(path))))
+    whole = arch.model_class(arch.parse_config(hf))
+    load_weights(
+        dict(whole.named_parameters()),
+        full.items(),
+        "whole",
+        ignore=lambda n: "rotary_emb" in n,
+        locate=whole.checkpoint_slice,
+    )
+    experts = "model.layers.0.mlp.experts."
+    for rank in range(size):
+        with building_tensor_parallel(TensorParallel(rank, size, group=None)):
+            model = arch.model_class(arch.parse_config(hf))
+        params = dict(model.named_parameters())
+        ckpt = read_checkpoint(str(path))
+        if source == "in-memory":
+            ckpt = Checkpoint(hf, None, state_dict=full)
+        names: list[str] = []
+        skip = other_ranks_tensors(params, model.checkpoint_slice)
+        tensors = iter_checkpoint_tensors(ckpt, param_shards(params), skip)
+        load_weights(params, _read_names(tensors, names), str(path), locate=model.checkpoint_slice)
+        per = 8 // size
+        start = rank * per
+        for proj in ("gate_up_proj", "down_proj"):
+            held = params[experts + proj]
+            assert param_shard(held).index() == (slice(start, start + per),)
+            assert torch.equal(held, whole.get_parameter(experts + proj)[start : start + per])
+        router = "model.layers.0.mlp.gate.weight"
+        assert torch.equal(params[router], full[router])
+        per_expert = [n for n in names if n.startswith(experts) and n.split(".")[5].isdigit()]
+        mine = set() if source == "stacked" else set(range(start, start + per))
+        assert {int(n.split(".")[5]) for n in per_expert} == mine
+
+
+@dataclass(frozen=True)
+class PartialSums(TensorParallel):
+    """A rank whose all-reduce returns its own partial sum (and counts itself): the test adds
+    the ranks' up."""
+
+    reduces: list = field(default_factory=list)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduces.append(tuple(x.shape))
+        return x
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("size", [2, 4])
+def test_sparse_moe_partial_sums_add_up(rng, size: int, fused: bool) -> None:
+    """A gated shared expert (Qwen3-Next's) beside the routed ones: each rank's routed experts
+    and shared-expert slice, in one all-reduce, sum to the unsharded layer's output."""
+    shape = dict(hidden_size=32, num_experts=8, top_k=3, intermediate_size=16, renormalize=False)
+    whole = SparseMoE(**shape, shared_expert_intermediate_size=24)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.copy_(torch.randn(p.shape, generator=rng) * 0.3)
+    state = whole.state_dict()
+    x = torch.randn(9, 32, generator=rng)
+    total = torch.zeros_like(x)
+    for rank in range(size):
+        tp = PartialSums(rank, size, group=None)
+        with building_tensor_parallel(tp):
+            layer = SparseMoE(**shape, shared_expert_intermediate_size=24)
+        params = dict(layer.named_parameters())
+        load_weights(params, shard_tensors(state.items(), param_shards(params), "moe"), "moe")
+        if fused:
+            fuse_projections(layer)
+        with torch.no_grad():
+            total += layer(x)
+        assert tp.reduces == [tuple(x.shape)]  # one all-reduce, of the routed and shared sum
+    if fused:
+        fuse_projections(whole)
+    with torch.no_grad():
+        expected = whole(x)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
 
 
 DRIVER = """
