@@ -5,6 +5,8 @@ Every builder writes float32 weights on CPU and runs well under a second:
 * ``make_qwen3_checkpoint`` / ``make_llama_checkpoint``: random ``Qwen3ForCausalLM`` /
   ``LlamaForCausalLM`` targets (``config.json``, safetensors weights, optionally in two shards,
   tokenizer files and ``generation_config.json``).
+* ``make_qwen3_5_checkpoint``: a random hybrid ``Qwen3_5ForCausalLM`` (Gated DeltaNet and
+  gated full-attention layers).
 * ``make_predictable_target``: a target whose greedy continuation is a fixed token cycle
   (``predictable_next_token``), the partner of an agreeing drafter.
 * ``make_dflash_drafter``: a z-lab format DFlash drafter (``DFlashDraftModel``) for a target;
@@ -39,6 +41,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -350,6 +354,104 @@ def make_llama_checkpoint(
     )
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=shard, rope_config_style=rope_config_style
+    )
+
+
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+
+
+def _qwen3_5_model(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tie_word_embeddings: bool,
+    seed: int | None,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    linear_head_dim: int = 8,
+    randomize_norms: bool = True,
+) -> Qwen3_5ForCausalLM:
+    layer_types = layer_types or (HYBRID_LAYER_TYPES * num_layers)[:num_layers]
+    config = Qwen3_5TextConfig(
+        **_common_config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings,
+        ),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": ROPE_THETA,
+            "partial_rotary_factor": 0.25,
+        },
+        layer_types=list(layer_types),
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        linear_conv_kernel_dim=4,
+    )
+    with _seeded(seed):
+        model = Qwen3_5ForCausalLM(config).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):  # decays that keep a few tokens in the state
+                    p.copy_(torch.empty_like(p).uniform_(0.05, 0.8).log())
+                elif name.endswith("dt_bias"):
+                    p.normal_(0.0, 0.5)
+                elif randomize_norms and name.endswith("linear_attn.norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif randomize_norms and name.endswith("norm.weight"):  # offsets from one
+                    p.normal_(0.0, 0.2)
+    return model
+
+
+def make_qwen3_5_checkpoint(
+    out_dir: Path,
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 96,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    linear_head_dim: int = 8,
+    tie_word_embeddings: bool = False,
+    seed: int | None = None,
+) -> Path:
+    """A random ``Qwen3_5ForCausalLM``: ``layer_types`` (default linear, full, linear,
+    linear, ...) mixes Gated DeltaNet and gated full attention (partial rotary 0.25);
+    ``linear_heads`` = (key heads, value heads) of the linear layers. Decays (``A_log``,
+    ``dt_bias``) keep a few tokens in the recurrent state, and the norm weights are drawn
+    around their identity so that a norm applied the wrong way shows."""
+    model = _qwen3_5_model(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        layer_types=layer_types,
+        linear_heads=linear_heads,
+        linear_head_dim=linear_head_dim,
+    )
+    return _save_target(
+        model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="rope_parameters"
     )
 
 

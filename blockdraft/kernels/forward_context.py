@@ -41,10 +41,25 @@ class AttentionMetadata:
     # Masks and gather indices derived from the fields above, built once per step on first use
     # and shared by all layers with the same (causal, window).
     cache: dict = field(default_factory=dict)
+    # Per-request recurrent state of linear-attention layers (hybrid models); None otherwise.
+    linear: LinearStateMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class LinearStateMetadata:
+    """Where each sequence of the batch keeps its linear-attention state (conv and recurrent
+    state slots beside the paged KV cache) and what the forward does with it."""
+
+    state_slots: torch.Tensor  # [num_seqs] int64 slot of each sequence
+    fresh: torch.Tensor  # [num_seqs] bool: starts at position 0 (zero state, slot not read)
+    query_lens: list[int]  # [num_seqs] rows of each sequence (host)
+    # Verify blocks: their rows read the state and leave it as it was; their inputs are kept
+    # so that the step commits the state at the accepted length (`commit_verified`).
+    verify: list[bool]  # [num_seqs] (host)
 
 
 _current: AttentionMetadata | None = None

@@ -12,6 +12,7 @@ from torch import nn
 
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ ARCHITECTURES: dict[str, ModelArchitecture] = {
     for arch in (
         ModelArchitecture("Qwen3ForCausalLM", DecoderLM, qwen3_config),
         ModelArchitecture("LlamaForCausalLM", DecoderLM, llama_config),
+        ModelArchitecture("Qwen3_5ForCausalLM", Qwen3_5LM, qwen3_5_config),
+        ModelArchitecture("Qwen3_5ForConditionalGeneration", Qwen3_5LM, qwen3_5_config),
     )
 }
 

@@ -1,0 +1,239 @@
+"""Gated DeltaNet, the `linear_attention` token mixer of Qwen3.5 (transformers'
+`Qwen3_5GatedDeltaNet`): projections to q/k/v (`in_proj_qkv`), the output gate z (`in_proj_z`),
+beta (`in_proj_b`) and the decay input a (`in_proj_a`); a causal depthwise conv (SiLU) over
+q/k/v; the gated delta rule with `beta = sigmoid(b)` and `g = -exp(A_log) softplus(a + dt_bias)`;
+a per-head RMSNorm gated by silu(z); `out_proj`. Parameter names are the checkpoint's.
+
+Each request's conv state (its last K - 1 conv inputs) and float32 recurrent state live in a
+slot of per-layer pools that the engine allocates beside the paged KV cache
+(`allocate_states`); the forward context says which slot each sequence uses
+(`LinearStateMetadata`). Prefill chunks run the chunked rule and write their slot; decode rows
+and verify blocks run the recurrence as one padded batch. A verify block only reads its slot
+and keeps its inputs (`stash_*`): `commit_verified` then advances the slot over the accepted
+rows with the recurrence, so rejected rows leave no trace and the target never runs twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdraft.kernels.forward_context import LinearStateMetadata, get_attention_metadata
+from blockdraft.kernels.gated_delta_rule import (
+    causal_conv1d_torch,
+    chunk_gated_delta_rule_torch,
+    lanewise,
+    recurrent_gated_delta_rule_torch,
+)
+from blockdraft.layers.linear import linear
+
+
+class RMSNormGated(nn.Module):
+    """`weight * rms_norm(x) * silu(z)` per head (normalised in float32, rounded back to x's
+    dtype before the weight, gated in float32), as transformers' `Qwen3_5RMSNormGated`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden]
+        gate: torch.Tensor,  # [..., hidden]
+    ) -> torch.Tensor:  # [..., hidden], x's dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads {num_v_heads} must be a multiple of "
+                f"linear_num_key_heads {num_k_heads}"
+            )
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = RMSNormGated(v_head_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        # Bound by `allocate_states`: slot pools, the last slot spare.
+        self.conv_state: torch.Tensor | None = None  # [num_slots, K - 1, conv_dim]
+        self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
+        self.stash_qkv: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
+        self.stash_ba: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv]
+
+    def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
+        """Bytes of one slot: conv state and verify stash in `dtype`, recurrent state fp32."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = (self.conv_kernel - 1) * self.conv_dim * elem
+        stash = max_verify_len * (self.conv_dim + 2 * self.num_v_heads) * elem
+        return conv + stash + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
+
+    def allocate_states(
+        self, num_slots: int, max_verify_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Zeroed pools for num_slots requests; verify blocks of up to max_verify_len rows (0:
+        no speculation, no stash)."""
+        hv, dk, dv = self.num_v_heads, self.k_head_dim, self.v_head_dim
+        self.conv_state = torch.zeros(
+            num_slots, self.conv_kernel - 1, self.conv_dim, dtype=dtype, device=device
+        )
+        self.recurrent_state = torch.zeros(num_slots, hv, dk, dv, device=device)
+        stash = (num_slots, max_verify_len)
+        self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
+        self.stash_ba = torch.zeros(*stash, 2 * hv, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        meta = get_attention_metadata().linear
+        if meta is None:
+            raise RuntimeError("a linear-attention layer needs LinearStateMetadata")
+        qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
+        ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
+        core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
+        z = linear(x, self.in_proj_z.weight).view_as(core)
+        return linear(self.norm(core, z).flatten(1), self.out_proj.weight)
+
+    def _mix(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, conv_dim] before the conv
+        ba: torch.Tensor,  # [num_tokens, 2 * Hv]: b then a
+        meta: LinearStateMetadata,
+    ) -> torch.Tensor:  # [num_tokens, Hv, Dv]
+        """Conv and delta rule of every sequence from its slot's state. Prefill chunks (more
+        than one row, not a verify) each run the chunked rule; decode rows and verify blocks
+        run together as one padded recurrence."""
+        out = qkv.new_empty(qkv.shape[0], self.num_v_heads, self.v_head_dim)
+        starts, start = [], 0
+        for n in meta.query_lens:
+            starts.append(start)
+            start += n
+        stepped = []
+        for i, (first, n) in enumerate(zip(starts, meta.query_lens, strict=True)):
+            if n > 1 and not meta.verify[i]:
+                seq = slice(i, i + 1)
+                rows = slice(first, first + n)
+                out[rows] = self._advance(
+                    qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq],
+                    None, write=True, chunked=True,
+                )[0]  # fmt: skip
+            else:
+                stepped.append(i)
+        if stepped:
+            self._step_batch(qkv, ba, meta, stepped, starts, out)
+        return out
+
+    def _step_batch(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, conv_dim]
+        ba: torch.Tensor,  # [num_tokens, 2 * Hv]
+        meta: LinearStateMetadata,
+        seqs: list[int],  # the decode and verify sequences
+        starts: list[int],  # [num_seqs] first row of each sequence
+        out: torch.Tensor,  # [num_tokens, Hv, Dv], written at these sequences' rows
+    ) -> None:
+        lens = [meta.query_lens[i] for i in seqs]
+        width = max(lens)
+        # Padded rows repeat the sequence's last row; they advance nothing (`lengths`).
+        rows = [starts[i] + min(t, n - 1) for i, n in zip(seqs, lens, strict=True)
+                for t in range(width)]  # fmt: skip
+        device = qkv.device
+        index = torch.tensor(rows, device=device).view(len(seqs), width)
+        seq_index = torch.tensor(seqs, device=device)
+        slots, fresh = meta.state_slots[seq_index], meta.fresh[seq_index]
+        lengths = torch.tensor(lens, device=device)
+        x, b_a = qkv[index], ba[index]  # [S, width, ...]
+        verify = [meta.verify[i] for i in seqs]
+        # Verify blocks keep their inputs for the commit; others write their slot now.
+        write = [j for j, v in enumerate(verify) if not v]
+        if any(verify):
+            v_rows = torch.tensor([j for j, v in enumerate(verify) if v], device=device)
+            self.stash_qkv[slots[v_rows], :width] = x[v_rows].to(self.stash_qkv.dtype)
+            self.stash_ba[slots[v_rows], :width] = b_a[v_rows].to(self.stash_ba.dtype)
+        core = self._advance(x, b_a, slots, fresh, lengths, write=write, chunked=False)[0]
+        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
+        out[index[mask]] = core[mask]
+
+    def commit_verified(
+        self,
+        slots: torch.Tensor,  # [V] int64 slots of the verified sequences
+        lengths: torch.Tensor,  # [V] int64 rows to keep: the accepted drafts + the rows before
+    ) -> None:
+        """Advances each verified sequence's state over the first `lengths` rows of its last
+        verify block (its stashed inputs), as decoding them would have."""
+        width = self.stash_qkv.shape[1]
+        x, b_a = self.stash_qkv[slots], self.stash_ba[slots]
+        fresh = torch.zeros_like(slots, dtype=torch.bool)
+        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write=True, chunked=False)
+
+    def _advance(
+        self,
+        x: torch.Tensor,  # [S, T, conv_dim] conv inputs
+        b_a: torch.Tensor,  # [S, T, 2 * Hv]
+        slots: torch.Tensor,  # [S] int64
+        fresh: torch.Tensor,  # [S] bool: start from zero states
+        lengths: torch.Tensor | None,  # [S] int64 rows each sequence takes; None: all T
+        write: bool | list[int],  # store the new states: all, none, or of these rows
+        chunked: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # out [S, T, Hv, Dv], new recurrent [S, Hv, Dk, Dv]
+        k1 = self.conv_kernel - 1
+        keep = ~fresh[:, None, None]
+        # `where`, not a product: a slot's stale contents never reach a fresh sequence.
+        conv0 = torch.where(keep, self.conv_state[slots], 0)
+        window = torch.cat((conv0, x.to(conv0.dtype)), dim=1)  # [S, K - 1 + T, conv_dim]
+        mixed = causal_conv1d_torch(window, self.conv1d.weight.view(self.conv_dim, -1))
+        mixed = mixed.to(x.dtype)
+        s, t = x.shape[:2]
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.reshape(s, t, self.num_k_heads, self.k_head_dim)
+        k = k.reshape(s, t, self.num_k_heads, self.k_head_dim)
+        v = v.reshape(s, t, self.num_v_heads, self.v_head_dim)
+        b, a = b_a.split(self.num_v_heads, dim=-1)
+        beta = lanewise(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
+        state0 = torch.where(keep[..., None], self.recurrent_state[slots], 0)
+        if chunked:
+            core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
+        else:
+            core, state = recurrent_gated_delta_rule_torch(q, k, v, g, beta, state0, lengths)
+        if lengths is None:
+            conv_new = window[:, t:]
+        else:
+            idx = lengths[:, None] + torch.arange(k1, device=x.device)[None, :]  # [S, K - 1]
+            conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+        if write is True:
+            self.conv_state[slots] = conv_new
+            self.recurrent_state[slots] = state
+        elif write:
+            rows = torch.tensor(write, device=x.device)
+            self.conv_state[slots[rows]] = conv_new[rows]
+            self.recurrent_state[slots[rows]] = state[rows]
+        return core, state

@@ -1,0 +1,144 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention) equals transformers'
+`Qwen3_5ForCausalLM` through the paged path with per-request state slots, over prefill chunks
+and decode steps; the delta rule's chunked and recurrent forms agree; a verify block followed by
+a commit at the accepted length leaves exactly the state plain decoding leaves."""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.engine.kv_cache import allocate_kv_cache
+from blockdraft.kernels.forward_context import LinearStateMetadata, forward_context
+from blockdraft.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule_torch,
+    recurrent_gated_delta_rule_torch,
+)
+from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
+from blockdraft.runtime.host_batch import build_attention_metadata
+
+from checkpoints import _qwen3_5_model
+
+CPU = torch.device("cpu")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def linear_meta(
+    slots: list[int], starts: list[int], lens: list[int], verify: list[bool] | None = None
+) -> LinearStateMetadata:
+    return LinearStateMetadata(
+        torch.tensor(slots),
+        torch.tensor([s == 0 for s in starts]),
+        list(lens),
+        verify or [False] * len(slots),
+    )
+
+
+def delta_inputs(rng: torch.Generator, b: int, t: int, hk: int, hv: int, d: int):
+    q = torch.randn(b, t, hk, d, generator=rng)
+    k = torch.randn(b, t, hk, d, generator=rng)
+    v = torch.randn(b, t, hv, d, generator=rng)
+    g = -torch.rand(b, t, hv, generator=rng)
+    beta = torch.rand(b, t, hv, generator=rng)
+    state = torch.randn(b, hv, d, d, generator=rng)
+    return q, k, v, g, beta, state
+
+
+def test_chunked_rule_equals_recurrence(rng) -> None:
+    q, k, v, g, beta, state = delta_inputs(rng, 2, 37, 2, 4, 8)
+    ref, ref_state = recurrent_gated_delta_rule_torch(q, k, v, g, beta, state)
+    out, out_state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state, chunk_size=16)
+    assert rel_err(out, ref) < 1e-5 and rel_err(out_state, ref_state) < 1e-5
+
+
+def test_recurrence_lengths_stop_each_row(rng) -> None:
+    """A row of length n ends in the state of its first n tokens, bit for bit."""
+    q, k, v, g, beta, state = delta_inputs(rng, 3, 6, 1, 2, 8)
+    lengths = torch.tensor([6, 2, 0])
+    _, states = recurrent_gated_delta_rule_torch(q, k, v, g, beta, state, lengths)
+    for row, n in enumerate(lengths.tolist()):
+        r = slice(row, row + 1)
+        args = (q[r, :n], k[r, :n], v[r, :n], g[r, :n], beta[r, :n], state[r])
+        want = recurrent_gated_delta_rule_torch(*args)[1] if n else state[r]
+        assert torch.equal(states[r], want), row
+
+
+def test_forward_matches_transformers(rng) -> None:
+    """Prefill chunks (chunked rule) and decode steps (recurrence) read and write the state
+    slot and the paged cache; logits at every position equal transformers' full forward.
+    Linear layers with 2 key heads serving 4 value heads."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    hf = _qwen3_5_model(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=16, tie_word_embeddings=False, seed=seed,
+    )  # fmt: skip
+    model = Qwen3_5LM(qwen3_5_config(hf.config.to_dict())).eval().requires_grad_(False)
+    model.load_state_dict(hf.state_dict())
+    block_size, slot = 4, 1
+    allocate_kv_cache(model.attention_layers, 40, block_size, torch.float32, CPU)
+    model.allocate_states(3, 0, torch.float32, CPU)
+    for layer in model.linear_layers:  # stale contents a fresh request must not read
+        layer.conv_state.normal_(generator=rng)
+        layer.recurrent_state.normal_(generator=rng)
+    ids = torch.randint(4, 128, (90,), generator=rng).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    table, out, start = list(range(30)), [], 0
+    for n in [70, 1, 2, 1, 16]:  # 70 rows: chunks of 64 and 6 inside the chunked rule
+        meta = build_attention_metadata([table], [start], [n], block_size, CPU)
+        meta.linear = linear_meta([slot], [start], [n])
+        with torch.inference_mode(), forward_context(meta):
+            hidden, _ = model(torch.tensor(ids[start : start + n]), torch.arange(start, start + n))
+        out.append(model.compute_logits(hidden))
+        start += n
+    assert rel_err(torch.cat(out), ref) < 1e-4
+
+
+def tiny_deltanet(rng: torch.Generator, slots: int, max_verify: int) -> GatedDeltaNet:
+    layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(0.3 * torch.randn(p.shape, generator=rng))
+    layer.allocate_states(slots, max_verify, torch.float32, CPU)
+    return layer
+
+
+def mix(layer: GatedDeltaNet, qkv, ba, meta: LinearStateMetadata) -> torch.Tensor:
+    with torch.inference_mode():
+        return layer._mix(qkv, ba, meta)
+
+
+def test_verify_then_commit_equals_plain_decoding(rng) -> None:
+    """A request prefills, then verifies a block of 1 + N rows in a batch with another
+    request's decode row and a third one's prefill chunk: the verify leaves its slot as it
+    was; the commit at k accepted drafts gives the conv and recurrent states (bit for bit) and
+    the verify gave the outputs that decoding its first k + 1 rows one by one gives."""
+    layer = tiny_deltanet(rng, slots=4, max_verify=6)
+    c, hv2 = layer.conv_dim, 2 * layer.num_v_heads
+
+    def rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, c, generator=rng), torch.randn(n, hv2, generator=rng)
+
+    prompt, other = rows(9), rows(5)
+    mix(layer, torch.cat([prompt[0], other[0]]), torch.cat([prompt[1], other[1]]),
+        linear_meta([2, 0], [0, 0], [9, 5]))  # fmt: skip
+    before = [s.clone() for s in (layer.conv_state, layer.recurrent_state)]
+    block, dec, pre = rows(6), rows(1), rows(7)
+    qkv = torch.cat([dec[0], block[0], pre[0]])
+    ba = torch.cat([dec[1], block[1], pre[1]])
+    meta = linear_meta([0, 2, 3], [5, 9, 0], [1, 6, 7], [False, True, False])
+    verify_out = mix(layer, qkv, ba, meta)[1:7]
+    assert torch.equal(layer.conv_state[2], before[0][2])
+    assert torch.equal(layer.recurrent_state[2], before[1][2])
+    accepted = int(torch.randint(0, 6, (1,), generator=rng))
+    with torch.inference_mode():
+        layer.commit_verified(torch.tensor([2]), torch.tensor([accepted + 1]))
+    committed = [layer.conv_state[2].clone(), layer.recurrent_state[2].clone()]
+    layer.conv_state[2], layer.recurrent_state[2] = before[0][2], before[1][2]
+    for t in range(accepted + 1):
+        out = mix(layer, block[0][t : t + 1], block[1][t : t + 1], linear_meta([2], [9 + t], [1]))
+        assert torch.equal(out, verify_out[t : t + 1]), t
+    assert torch.equal(committed[0], layer.conv_state[2])
+    assert torch.equal(committed[1], layer.recurrent_state[2])
