@@ -479,7 +479,7 @@ def predictable_continuation(prompt_ids: list[int], n: int, vocab_size: int) -> 
 def make_predictable_target(
     out_dir: Path,
     *,
-    arch: Literal["qwen3", "llama"] = "qwen3",
+    arch: Literal["qwen3", "llama", "qwen3_5"] = "qwen3",
     vocab_size: int = 64,
     hidden_size: int = 64,
     num_layers: int = 4,
@@ -494,7 +494,8 @@ def make_predictable_target(
 ) -> Path:
     """A target whose greedy next token is ``predictable_next_token(current token)``.
 
-    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling):
+    Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling,
+    ``qwen3_5`` is the hybrid one, its linear layers' ``out_proj`` scaled like ``o_proj``):
 
     * ``embed_tokens`` is the identity: token ``t`` enters the residual stream as one-hot
       ``e_t`` (needs ``hidden_size >= vocab_size``).
@@ -527,8 +528,10 @@ def make_predictable_target(
         model = _qwen3_model(**common)
     elif arch == "llama":
         model = _llama_model(**common, llama3_rope_scaling=True)
+    elif arch == "qwen3_5":
+        model = _qwen3_5_model(**common, randomize_norms=False)
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'llama', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'llama' or 'qwen3_5', got {arch!r}")
     with torch.no_grad(), _seeded(None if seed is None else seed + 1):
         embed = torch.zeros(vocab_size, hidden_size)
         embed[:, :vocab_size] = torch.eye(vocab_size)
@@ -538,8 +541,12 @@ def make_predictable_target(
             head[predictable_next_token(t, vocab_size), t] = 1.0
         model.get_output_embeddings().weight.copy_(head)
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(layer_output_scale)
+            mixer = getattr(layer, "self_attn", None)
+            out_proj = mixer.o_proj if mixer is not None else layer.linear_attn.out_proj
+            out_proj.weight.mul_(layer_output_scale)
             layer.mlp.down_proj.weight.mul_(layer_output_scale)
+    if arch == "qwen3_5":  # its partial rotary factor lives in rope_parameters
+        rope_config_style = "rope_parameters"
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=shard, rope_config_style=rope_config_style
     )

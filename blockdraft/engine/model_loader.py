@@ -94,9 +94,12 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     if config.load_format == "dummy":
         init_dummy_weights(model)
     else:
+        tensors = iter_checkpoint_tensors(ckpt)
+        # A family may rename or skip checkpoint tensors (a multimodal checkpoint's LM).
+        rename = getattr(model, "checkpoint_tensors", None)
         load_weights(
             dict(model.named_parameters()),
-            iter_checkpoint_tensors(ckpt),
+            tensors if rename is None else rename(tensors),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

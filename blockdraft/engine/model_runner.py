@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.kernels.forward_context import forward_context
+from blockdraft.kernels.forward_context import LinearStateMetadata, forward_context
 from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
@@ -99,6 +99,7 @@ def run_forward(
     block_size: int,
     device: torch.device,
     device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
+    linear: LinearStateMetadata | None = None,  # hybrid models' state slots
 ) -> object:
     """One forward over a flat batch: replays a CUDA graph when every request has the same
     number of rows and one was captured for it, else runs eagerly. Outputs are sliced to the
@@ -122,6 +123,7 @@ def run_forward(
             return tuple(o[:rows] if o is not None else None for o in out)
         return out[:rows]
     meta = build_attention_metadata(block_tables, starts, query_lens, block_size, device)
+    meta.linear = linear
     ids, pos = int64_tensors(device, flat_ids, positions)
     if device_ids is not None:
         ids.index_copy_(0, *device_ids)
@@ -142,6 +144,8 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.sampling = SamplingTensorCache(device)
         self.verifier = Verifier(self.sampling, device, synthetic_acceptance_rate)
+        # Hybrid models: linear-attention state slots, committed after each verify.
+        self.has_linear_state = hasattr(model, "commit_verified")
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
@@ -169,6 +173,8 @@ class ModelRunner:
             sampled = self._sample(decode, [ends[i] for i in decode], chunks, hidden)
         if prepared is not None:
             verify_tokens, num_accepted = self._verify(prepared, hidden)
+            if self.has_linear_state:
+                self._commit_states([chunks[i] for i in verify], num_accepted)
         parts = [t.flatten() for t in (sampled, verify_tokens, num_accepted) if t is not None]
         readback, ready = start_readback(torch.cat(parts)) if parts else (None, None)
         return LaunchedStep(
@@ -229,7 +235,33 @@ class ModelRunner:
             self.block_size,
             self.device,
             device_ids,
+            self._linear_metadata(chunks) if self.has_linear_state else None,
         )
+
+    def _linear_metadata(self, chunks: list[ScheduledChunk]) -> LinearStateMetadata:
+        """Each chunk's state slot (requests without one, warm-up rows, use the spare last
+        slot), whether it starts the request, and whether it is a verify block."""
+        slots = [-1 if c.seq.state_slot is None else c.seq.state_slot for c in chunks]
+        slot_tensor, starts = int64_tensors(self.device, slots, [c.start for c in chunks])
+        return LinearStateMetadata(
+            slot_tensor,
+            starts == 0,
+            [len(c.token_ids) for c in chunks],
+            [c.num_drafts > 0 for c in chunks],
+        )
+
+    def _commit_states(
+        self,
+        chunks: list[ScheduledChunk],  # the verified chunks
+        num_accepted: torch.Tensor,  # [V] int64 on the device
+    ) -> None:
+        """Linear-attention states at each verify's accepted length: the rows before the
+        drafts and the accepted drafts (queued on the device, nothing read back)."""
+        slots = [-1 if c.seq.state_slot is None else c.seq.state_slot for c in chunks]
+        slot_tensor, before = int64_tensors(
+            self.device, slots, [len(c.token_ids) - c.num_drafts for c in chunks]
+        )
+        self.model.commit_verified(slot_tensor, before + num_accepted)
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         """The step's one device-to-host read (one sync), for decode and verify alike."""

@@ -5,8 +5,16 @@ a commit at the accepted length leaves exactly the state plain decoding leaves."
 
 from __future__ import annotations
 
-import torch
+import json
+import logging
+import shutil
+from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from blockdraft import LLM, SamplingParams
 from blockdraft.engine.kv_cache import allocate_kv_cache
 from blockdraft.kernels.forward_context import LinearStateMetadata, forward_context
 from blockdraft.kernels.gated_delta_rule import (
@@ -17,7 +25,7 @@ from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 from blockdraft.runtime.host_batch import build_attention_metadata
 
-from checkpoints import _qwen3_5_model
+from checkpoints import _qwen3_5_model, load_hf_target, make_qwen3_5_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -142,3 +150,100 @@ def test_verify_then_commit_equals_plain_decoding(rng) -> None:
         assert torch.equal(out, verify_out[t : t + 1]), t
     assert torch.equal(committed[0], layer.conv_state[2])
     assert torch.equal(committed[1], layer.recurrent_state[2])
+
+
+# --- through the engine ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_target(tmp_path_factory) -> Path:
+    return make_qwen3_5_checkpoint(tmp_path_factory.mktemp("qwen3_5"), num_layers=5)
+
+
+def hf_greedy(target: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    hf = load_hf_target(target)
+    with torch.no_grad():
+        return [
+            hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
+
+
+def run_with_arrivals(engine, arrivals: dict[int, list], abort: dict[int, str] | None = None):
+    """Steps the engine to the end, adding arrivals[step] = [(id, prompt, params)] and
+    aborting abort[step] before that step; returns the finished outputs by id."""
+    outputs, step, abort = {}, 0, dict(abort or {})
+    while engine.has_unfinished_requests() or arrivals:
+        for request in arrivals.pop(step, []):
+            engine.add_request(*request)
+        if step in abort:
+            engine.abort_request(abort.pop(step))
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    return outputs
+
+
+def test_generate_matches_transformers(hybrid_target: Path, rng, caplog) -> None:
+    """Greedy output equals transformers' generate for requests that arrive at different steps
+    (batches mixing prefill chunks, decodes and requests at different positions), prompts
+    longer than the 16-token prefill chunk; prefix caching is off, saying why; every state
+    slot is free at the end."""
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (1, 7, 33, 45, 20)]
+    refs = hf_greedy(hybrid_target, prompts, 12)
+    with caplog.at_level(logging.INFO, logger="blockdraft"):
+        llm = LLM(str(hybrid_target), block_size=4, max_num_batched_tokens=16, max_num_seqs=4)
+    assert "prefix caching is off" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    arrivals = {0: [("0", prompts[0], params), ("1", prompts[1], params)],
+                2: [("2", prompts[2], params)], 5: [("3", prompts[3], params)],
+                6: [("4", prompts[4], params)]}  # fmt: skip
+    outs = run_with_arrivals(llm.engine, arrivals)
+    for i, ref in enumerate(refs):
+        assert outs[str(i)].outputs[0].token_ids == ref, i
+    manager = llm.engine.block_manager
+    assert sorted(manager.free_state_slots) == list(range(4))
+
+
+def test_preemption_and_abort_free_state_slots(hybrid_target: Path, rng) -> None:
+    """A pool too small for every request preempts (the request recomputes from a fresh state)
+    and an aborted request gives its slot back; the others' output still equals transformers'."""
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (9, 14, 11, 6)]
+    refs = hf_greedy(hybrid_target, prompts, 20)
+    llm = LLM(str(hybrid_target), block_size=4, num_kv_blocks=20, max_model_len=40,
+              max_num_seqs=4)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    arrivals = {0: [(str(i), p, params) for i, p in enumerate(prompts)]}
+    outs = run_with_arrivals(llm.engine, arrivals, abort={4: "2"})
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sorted(outs) == ["0", "1", "3"]
+    for i in (0, 1, 3):
+        assert outs[str(i)].outputs[0].token_ids == refs[i], i
+    assert sorted(llm.engine.block_manager.free_state_slots) == list(range(4))
+
+
+def test_multimodal_checkpoint_loads_its_language_model(hybrid_target, tmp_path, rng, caplog):
+    """A `Qwen3_5ForConditionalGeneration` checkpoint (text_config, `model.language_model.*`,
+    a vision tower and an MTP head) runs its language model, saying what it skipped."""
+    mm = tmp_path / "mm"
+    shutil.copytree(hybrid_target, mm)
+    text = json.loads((mm / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"},
+              "vision_config": {"depth": 1}, "tie_word_embeddings": False}  # fmt: skip
+    (mm / "config.json").write_text(json.dumps(config))
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): t
+        for name, t in load_file(mm / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, mm / "model.safetensors")
+    prompt = torch.randint(4, 128, (10,), generator=rng).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with caplog.at_level(logging.INFO, logger="blockdraft"):
+        out = LLM(str(mm)).generate([prompt], params, use_tqdm=False)[0]
+    assert "skipped 2 vision-tower / MTP tensors" in caplog.text
+    want = LLM(str(hybrid_target)).generate([prompt], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids
