@@ -243,3 +243,19 @@ def test_bench_shapes_write_a_config_the_engine_parses_and_count_decode_bytes() 
         assert (drafter / "config.json").exists()
         lm_head = 2 * hf["vocab_size"] * hf["hidden_size"]
         assert shape.bytes_per_token(shape.config) > lm_head
+
+
+def test_hybrid_shape_bytes_count_the_model_weights_and_states() -> None:
+    """qwen3.5-27b's decode bytes: its model's weights (less the gathered embedding) in bf16,
+    to within the norms, plus each linear layer's float32 state read and written."""
+    from benchmarks.shapes import SHAPES
+    from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
+
+    shape = SHAPES["qwen3.5-27b"]
+    cfg = qwen3_5_config(shape.config)
+    with torch.device("meta"):
+        model = Qwen3_5LM(cfg)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    state = sum(a.num_v_heads * a.k_head_dim * a.v_head_dim for a in model.linear_layers)
+    expected = 2 * params + 2 * 4 * state
+    assert abs(shape.bytes_per_token(shape.config) - expected) < 1e-4 * expected
