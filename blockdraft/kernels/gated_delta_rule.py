@@ -8,7 +8,9 @@ Per value head the rule keeps a float32 state S [k_dim, v_dim]; for each token
 by k_dim^-0.5. The recurrence runs over padded [B, T] batches with per-row lengths: steps past
 a row's length leave its state as it was, so one call advances requests by different numbers
 of tokens and a step's arithmetic never depends on its batch mates (a verify's state at any
-accepted length is bit for bit the one plain decoding reaches).
+accepted length is bit for bit the one plain decoding reaches). The recurrence over the
+engine's state slots (`recurrent_gated_delta_rule_pool_torch`) has a Triton twin
+(`triton_gated_delta_rule`); the prefill's chunked form runs in torch.
 """
 
 from __future__ import annotations
@@ -94,6 +96,26 @@ def recurrent_gated_delta_rule_torch(
         else:
             state = torch.where((t < lengths)[:, None, None, None], s, state)
     return out.to(value.dtype), state
+
+
+def recurrent_gated_delta_rule_pool_torch(
+    query: torch.Tensor,  # [S, T, Hk, Dk]
+    key: torch.Tensor,  # [S, T, Hk, Dk]
+    value: torch.Tensor,  # [S, T, Hv, Dv]
+    g: torch.Tensor,  # [S, T, Hv] float32 log decay (<= 0)
+    beta: torch.Tensor,  # [S, T, Hv]
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32, per-request states
+    slots: torch.Tensor,  # [S] int64 each sequence's slot
+    fresh: torch.Tensor,  # [S] bool: start from a zero state (the slot is not read)
+    lengths: torch.Tensor,  # [S] int64 tokens each sequence takes
+    write: torch.Tensor,  # [S] bool: store the state it reaches in its slot
+) -> torch.Tensor:  # [S, T, Hv, Dv], value's dtype
+    """`recurrent_gated_delta_rule_torch` from and into the slots of a state pool: the decode
+    and verify step of the engine (the Triton kernel's specification)."""
+    state0 = torch.where(fresh[:, None, None, None], 0, state_pool[slots])
+    out, state = recurrent_gated_delta_rule_torch(query, key, value, g, beta, state0, lengths)
+    state_pool[slots] = torch.where(write[:, None, None, None], state, state_pool[slots])
+    return out
 
 
 def chunk_gated_delta_rule_torch(

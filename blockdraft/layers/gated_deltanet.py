@@ -24,8 +24,8 @@ from blockdraft.kernels.gated_delta_rule import (
     causal_conv1d_torch,
     chunk_gated_delta_rule_torch,
     lanewise,
-    recurrent_gated_delta_rule_torch,
 )
+from blockdraft.kernels.select import PerDevice, get_gated_delta_rule_backend
 from blockdraft.layers.linear import linear
 
 
@@ -87,6 +87,7 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
         self.stash_qkv: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
         self.stash_ba: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv]
+        self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
 
     def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
         """Bytes of one slot: conv state and verify stash in `dtype`, recurrent state fp32."""
@@ -141,9 +142,11 @@ class GatedDeltaNet(nn.Module):
             if n > 1 and not meta.verify[i]:
                 seq = slice(i, i + 1)
                 rows = slice(first, first + n)
+                lengths = torch.full((1,), n, device=qkv.device)
+                write = torch.ones(1, dtype=torch.bool, device=qkv.device)
                 out[rows] = self._advance(
                     qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq],
-                    None, write=True, chunked=True,
+                    lengths, write, chunked=True,
                 )[0]  # fmt: skip
             else:
                 stepped.append(i)
@@ -161,24 +164,22 @@ class GatedDeltaNet(nn.Module):
         out: torch.Tensor,  # [num_tokens, Hv, Dv], written at these sequences' rows
     ) -> None:
         lens = [meta.query_lens[i] for i in seqs]
+        verify = [meta.verify[i] for i in seqs]
         width = max(lens)
         # Padded rows repeat the sequence's last row; they advance nothing (`lengths`).
         rows = [starts[i] + min(t, n - 1) for i, n in zip(seqs, lens, strict=True)
                 for t in range(width)]  # fmt: skip
         device = qkv.device
         index = torch.tensor(rows, device=device).view(len(seqs), width)
-        seq_index = torch.tensor(seqs, device=device)
+        seq_index, lengths = torch.tensor(seqs, device=device), torch.tensor(lens, device=device)
         slots, fresh = meta.state_slots[seq_index], meta.fresh[seq_index]
-        lengths = torch.tensor(lens, device=device)
         x, b_a = qkv[index], ba[index]  # [S, width, ...]
-        verify = [meta.verify[i] for i in seqs]
-        # Verify blocks keep their inputs for the commit; others write their slot now.
-        write = [j for j, v in enumerate(verify) if not v]
-        if any(verify):
+        if any(verify):  # verify blocks keep their inputs for the commit
             v_rows = torch.tensor([j for j, v in enumerate(verify) if v], device=device)
             self.stash_qkv[slots[v_rows], :width] = x[v_rows].to(self.stash_qkv.dtype)
             self.stash_ba[slots[v_rows], :width] = b_a[v_rows].to(self.stash_ba.dtype)
-        core = self._advance(x, b_a, slots, fresh, lengths, write=write, chunked=False)[0]
+        write = torch.tensor([not v for v in verify], device=device)
+        core = self._advance(x, b_a, slots, fresh, lengths, write, chunked=False)
         mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
         out[index[mask]] = core[mask]
 
@@ -192,7 +193,8 @@ class GatedDeltaNet(nn.Module):
         width = self.stash_qkv.shape[1]
         x, b_a = self.stash_qkv[slots], self.stash_ba[slots]
         fresh = torch.zeros_like(slots, dtype=torch.bool)
-        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write=True, chunked=False)
+        write = torch.ones_like(slots, dtype=torch.bool)
+        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write, chunked=False)
 
     def _advance(
         self,
@@ -200,17 +202,17 @@ class GatedDeltaNet(nn.Module):
         b_a: torch.Tensor,  # [S, T, 2 * Hv]
         slots: torch.Tensor,  # [S] int64
         fresh: torch.Tensor,  # [S] bool: start from zero states
-        lengths: torch.Tensor | None,  # [S] int64 rows each sequence takes; None: all T
-        write: bool | list[int],  # store the new states: all, none, or of these rows
-        chunked: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # out [S, T, Hv, Dv], new recurrent [S, Hv, Dk, Dv]
-        k1 = self.conv_kernel - 1
+        lengths: torch.Tensor,  # [S] int64 rows each sequence takes
+        write: torch.Tensor,  # [S] bool: store the states it reaches in its slot
+        chunked: bool,  # the chunked rule (every sequence takes all T rows)
+    ) -> torch.Tensor:  # [S, T, Hv, Dv]
+        """Conv and delta rule of S sequences from their slots' states."""
         keep = ~fresh[:, None, None]
         # `where`, not a product: a slot's stale contents never reach a fresh sequence.
-        conv0 = torch.where(keep, self.conv_state[slots], 0)
-        window = torch.cat((conv0, x.to(conv0.dtype)), dim=1)  # [S, K - 1 + T, conv_dim]
+        conv_old = self.conv_state[slots]
+        window = torch.cat((torch.where(keep, conv_old, 0), x.to(conv_old.dtype)), dim=1)
         mixed = causal_conv1d_torch(window, self.conv1d.weight.view(self.conv_dim, -1))
-        mixed = mixed.to(x.dtype)
+        mixed = mixed.to(x.dtype)  # [S, T, conv_dim]
         s, t = x.shape[:2]
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = q.reshape(s, t, self.num_k_heads, self.k_head_dim)
@@ -219,21 +221,16 @@ class GatedDeltaNet(nn.Module):
         b, a = b_a.split(self.num_v_heads, dim=-1)
         beta = lanewise(torch.sigmoid, b)
         g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
-        state0 = torch.where(keep[..., None], self.recurrent_state[slots], 0)
+        pool = self.recurrent_state
         if chunked:
+            state0 = torch.where(keep[..., None], pool[slots], 0)
             core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
+            pool[slots] = torch.where(write[:, None, None, None], state, pool[slots])
         else:
-            core, state = recurrent_gated_delta_rule_torch(q, k, v, g, beta, state0, lengths)
-        if lengths is None:
-            conv_new = window[:, t:]
-        else:
-            idx = lengths[:, None] + torch.arange(k1, device=x.device)[None, :]  # [S, K - 1]
-            conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
-        if write is True:
-            self.conv_state[slots] = conv_new
-            self.recurrent_state[slots] = state
-        elif write:
-            rows = torch.tensor(write, device=x.device)
-            self.conv_state[slots[rows]] = conv_new[rows]
-            self.recurrent_state[slots[rows]] = state[rows]
-        return core, state
+            recurrence = self._recurrence(x.device)
+            core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
+        # The conv state after each sequence's rows: the last K - 1 inputs of its window.
+        idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=x.device)[None, :]
+        conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+        self.conv_state[slots] = torch.where(write[:, None, None], conv_new, conv_old)
+        return core

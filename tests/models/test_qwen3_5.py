@@ -26,6 +26,7 @@ from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 from blockdraft.runtime.host_batch import build_attention_metadata
 
 from checkpoints import _qwen3_5_model, load_hf_target, make_qwen3_5_checkpoint
+from kernel_inputs import needs_triton
 
 CPU = torch.device("cpu")
 
@@ -118,11 +119,14 @@ def mix(layer: GatedDeltaNet, qkv, ba, meta: LinearStateMetadata) -> torch.Tenso
         return layer._mix(qkv, ba, meta)
 
 
-def test_verify_then_commit_equals_plain_decoding(rng) -> None:
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_verify_then_commit_equals_plain_decoding(rng, set_policy, backend: str) -> None:
     """A request prefills, then verifies a block of 1 + N rows in a batch with another
     request's decode row and a third one's prefill chunk: the verify leaves its slot as it
     was; the commit at k accepted drafts gives the conv and recurrent states (bit for bit) and
-    the verify gave the outputs that decoding its first k + 1 rows one by one gives."""
+    the verify gave the outputs that decoding its first k + 1 rows one by one gives. With the
+    Triton recurrence too (its programs never see their batch mates)."""
+    set_policy(backend=backend)
     layer = tiny_deltanet(rng, slots=4, max_verify=6)
     c, hv2 = layer.conv_dim, 2 * layer.num_v_heads
 
