@@ -11,7 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.kernels.forward_context import LinearStateMetadata, forward_context
+from blockdraft.kernels.forward_context import (
+    LinearStateMetadata,
+    build_linear_metadata,
+    forward_context,
+)
 from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
@@ -243,7 +247,7 @@ class ModelRunner:
         slot), whether it starts the request, and whether it is a verify block."""
         slots = [-1 if c.seq.state_slot is None else c.seq.state_slot for c in chunks]
         slot_tensor, starts = int64_tensors(self.device, slots, [c.start for c in chunks])
-        return LinearStateMetadata(
+        return build_linear_metadata(
             slot_tensor,
             starts == 0,
             [len(c.token_ids) for c in chunks],

@@ -129,59 +129,26 @@ class GatedDeltaNet(nn.Module):
         ba: torch.Tensor,  # [num_tokens, 2 * Hv]: b then a
         meta: LinearStateMetadata,
     ) -> torch.Tensor:  # [num_tokens, Hv, Dv]
-        """Conv and delta rule of every sequence from its slot's state. Prefill chunks (more
-        than one row, not a verify) each run the chunked rule; decode rows and verify blocks
-        run together as one padded recurrence."""
+        """Conv and delta rule of every sequence from its slot's state: each prefill chunk with
+        the chunked rule, decode rows and verify blocks as one padded recurrence."""
         out = qkv.new_empty(qkv.shape[0], self.num_v_heads, self.v_head_dim)
-        starts, start = [], 0
-        for n in meta.query_lens:
-            starts.append(start)
-            start += n
-        stepped = []
-        for i, (first, n) in enumerate(zip(starts, meta.query_lens, strict=True)):
-            if n > 1 and not meta.verify[i]:
-                seq = slice(i, i + 1)
-                rows = slice(first, first + n)
-                lengths = torch.full((1,), n, device=qkv.device)
-                write = torch.ones(1, dtype=torch.bool, device=qkv.device)
-                out[rows] = self._advance(
-                    qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq],
-                    lengths, write, chunked=True,
-                )[0]  # fmt: skip
-            else:
-                stepped.append(i)
-        if stepped:
-            self._step_batch(qkv, ba, meta, stepped, starts, out)
+        for i, first, n in meta.prefill:
+            rows, seq = slice(first, first + n), slice(i, i + 1)
+            out[rows] = self._advance(
+                qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq]
+            )[0]
+        step = meta.step
+        if step is not None:
+            slots, fresh = meta.state_slots[step.seqs], meta.fresh[step.seqs]
+            x, b_a = qkv[step.rows], ba[step.rows]  # [S, W, ...]
+            if step.verify is not None:  # verify blocks keep their inputs for the commit
+                width = step.rows.shape[1]
+                v_slots = slots[step.verify]
+                self.stash_qkv[v_slots, :width] = x[step.verify].to(self.stash_qkv.dtype)
+                self.stash_ba[v_slots, :width] = b_a[step.verify].to(self.stash_ba.dtype)
+            core = self._advance(x, b_a, slots, fresh, step.lengths, step.write)
+            out[step.out_dst] = core.flatten(0, 1)[step.out_src]
         return out
-
-    def _step_batch(
-        self,
-        qkv: torch.Tensor,  # [num_tokens, conv_dim]
-        ba: torch.Tensor,  # [num_tokens, 2 * Hv]
-        meta: LinearStateMetadata,
-        seqs: list[int],  # the decode and verify sequences
-        starts: list[int],  # [num_seqs] first row of each sequence
-        out: torch.Tensor,  # [num_tokens, Hv, Dv], written at these sequences' rows
-    ) -> None:
-        lens = [meta.query_lens[i] for i in seqs]
-        verify = [meta.verify[i] for i in seqs]
-        width = max(lens)
-        # Padded rows repeat the sequence's last row; they advance nothing (`lengths`).
-        rows = [starts[i] + min(t, n - 1) for i, n in zip(seqs, lens, strict=True)
-                for t in range(width)]  # fmt: skip
-        device = qkv.device
-        index = torch.tensor(rows, device=device).view(len(seqs), width)
-        seq_index, lengths = torch.tensor(seqs, device=device), torch.tensor(lens, device=device)
-        slots, fresh = meta.state_slots[seq_index], meta.fresh[seq_index]
-        x, b_a = qkv[index], ba[index]  # [S, width, ...]
-        if any(verify):  # verify blocks keep their inputs for the commit
-            v_rows = torch.tensor([j for j, v in enumerate(verify) if v], device=device)
-            self.stash_qkv[slots[v_rows], :width] = x[v_rows].to(self.stash_qkv.dtype)
-            self.stash_ba[slots[v_rows], :width] = b_a[v_rows].to(self.stash_ba.dtype)
-        write = torch.tensor([not v for v in verify], device=device)
-        core = self._advance(x, b_a, slots, fresh, lengths, write, chunked=False)
-        mask = torch.arange(width, device=device)[None, :] < lengths[:, None]
-        out[index[mask]] = core[mask]
 
     def commit_verified(
         self,
@@ -194,7 +161,7 @@ class GatedDeltaNet(nn.Module):
         x, b_a = self.stash_qkv[slots], self.stash_ba[slots]
         fresh = torch.zeros_like(slots, dtype=torch.bool)
         write = torch.ones_like(slots, dtype=torch.bool)
-        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write, chunked=False)
+        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write)
 
     def _advance(
         self,
@@ -202,11 +169,11 @@ class GatedDeltaNet(nn.Module):
         b_a: torch.Tensor,  # [S, T, 2 * Hv]
         slots: torch.Tensor,  # [S] int64
         fresh: torch.Tensor,  # [S] bool: start from zero states
-        lengths: torch.Tensor,  # [S] int64 rows each sequence takes
-        write: torch.Tensor,  # [S] bool: store the states it reaches in its slot
-        chunked: bool,  # the chunked rule (every sequence takes all T rows)
+        lengths: torch.Tensor | None = None,  # [S] int64 rows each takes; None: all (chunked)
+        write: torch.Tensor | None = None,  # [S] bool: store the states reached; None: all
     ) -> torch.Tensor:  # [S, T, Hv, Dv]
-        """Conv and delta rule of S sequences from their slots' states."""
+        """Conv and delta rule of S sequences from their slots' states: the recurrence when
+        `lengths` are given, else the chunked rule over all T rows."""
         keep = ~fresh[:, None, None]
         # `where`, not a product: a slot's stale contents never reach a fresh sequence.
         conv_old = self.conv_state[slots]
@@ -222,13 +189,14 @@ class GatedDeltaNet(nn.Module):
         beta = lanewise(torch.sigmoid, b)
         g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
         pool = self.recurrent_state
-        if chunked:
+        if lengths is None:
             state0 = torch.where(keep[..., None], pool[slots], 0)
             core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
-            pool[slots] = torch.where(write[:, None, None, None], state, pool[slots])
-        else:
-            recurrence = self._recurrence(x.device)
-            core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
+            pool[slots] = state
+            self.conv_state[slots] = window[:, t:]
+            return core
+        recurrence = self._recurrence(x.device)
+        core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
         # The conv state after each sequence's rows: the last K - 1 inputs of its window.
         idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=x.device)[None, :]
         conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))

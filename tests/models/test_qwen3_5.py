@@ -16,7 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.engine.kv_cache import allocate_kv_cache
-from blockdraft.kernels.forward_context import LinearStateMetadata, forward_context
+from blockdraft.kernels.forward_context import (
+    LinearStateMetadata,
+    build_linear_metadata,
+    forward_context,
+)
 from blockdraft.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule_torch,
@@ -38,7 +42,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def linear_meta(
     slots: list[int], starts: list[int], lens: list[int], verify: list[bool] | None = None
 ) -> LinearStateMetadata:
-    return LinearStateMetadata(
+    return build_linear_metadata(
         torch.tensor(slots),
         torch.tensor([s == 0 for s in starts]),
         list(lens),

@@ -178,3 +178,21 @@ def test_sampling_is_lossless(random_pair) -> None:
             [row[i] for i in range(len(values)) if table[0][i] + table[1][i] >= 5] for row in table
         ]
         assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+def test_one_host_readback_per_step(random_pair, monkeypatch, rng) -> None:
+    """State slots, step batches and commits at the accepted length need no host readback:
+    a speculative step on a hybrid target reads the device back once (its tokens)."""
+    from test_dflash_lossless import run_counting_readbacks
+
+    target, drafter = random_pair
+    llm = LLM(
+        str(target), speculative_config=spec(drafter, 3, synthetic_acceptance_rate=0.6),
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [torch.randint(4, 128, (k,), generator=rng).tolist() for k in (5, 30, 12)]
+    arrivals = {0: [("a", prompts[0], params), ("b", prompts[1], params)],
+                3: [("c", prompts[2], params)]}  # fmt: skip
+    outs = run_counting_readbacks(llm.engine, arrivals, monkeypatch)
+    assert sorted(outs) == ["a", "b", "c"]
