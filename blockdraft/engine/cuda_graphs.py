@@ -31,8 +31,9 @@ def capture_graphs(
     def capture_target(q: int, sizes: list[int]) -> None:
         nonlocal pool
         graphs = CUDAGraphRunner(
-            runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool
-        )
+            runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool,
+            linear_state=runner.has_linear_state,
+        )  # fmt: skip
         graphs.capture()
         runner.graphs[q], pool = graphs, graphs.pool
 

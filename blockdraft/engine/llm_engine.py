@@ -89,9 +89,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
         self.capture_time_s = self.warmup_time_s = 0.0
-        if self.device.type == "cuda" and not config.enforce_eager and hybrid:
-            logger.info("no CUDA graphs: the linear-attention layers run eagerly")
-        elif self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
         if self.device.type == "cuda":  # Triton compiles now rather than mid-serving
             self.warm_up()

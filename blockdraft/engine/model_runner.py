@@ -113,6 +113,8 @@ def run_forward(
     flat_ids = [t for ids in token_ids for t in ids]
     positions = [s + i for s, n in zip(starts, query_lens, strict=True) for i in range(n)]
     graph = graphs.get(query_lens[0]) if len(set(query_lens)) == 1 else None
+    if linear is not None and linear.prefill:  # a hybrid target's graphs decode or verify
+        graph = None
     if graph is not None and graph.fits(len(starts), max(len(t) for t in block_tables)):
         rows = len(flat_ids)
         slots = flat_slots(block_tables, starts, query_lens, block_size)
@@ -122,7 +124,8 @@ def run_forward(
         flat = host_int64(flat_ids + positions + slots + seq_lens, pinned)
         ids, pos, slot_mapping, lens = flat.split([rows, rows, rows, len(seq_lens)])
         tables = host_int64(padded_block_tables(block_tables), pinned)
-        out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids)
+        states = None if linear is None else (linear.state_slots, linear.fresh)
+        out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids, states)
         if isinstance(out, tuple):
             return tuple(o[:rows] if o is not None else None for o in out)
         return out[:rows]
