@@ -169,7 +169,9 @@ def hybrid_target(tmp_path_factory) -> Path:
 
 
 def hf_greedy(target: Path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy generate of max_new tokens, through eos (as ignore_eos)."""
     hf = load_hf_target(target)
+    hf.generation_config.eos_token_id = None
     with torch.no_grad():
         return [
             hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False)[
