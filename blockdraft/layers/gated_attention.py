@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.linear import linear
+from blockdraft.layers.linear import fuse_linears, linear
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
 
@@ -34,17 +34,28 @@ class GatedSelfAttention(nn.Module):
         self.k_norm = OffsetRMSNorm(head_dim, eps)
         self.rotary = rotary
         self.attn = PagedAttention(num_heads, num_kv_heads, head_dim)
+        self._split = (2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q (with its gate), k and v instead of three."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        heads = (-1, self.num_heads, 2 * self.head_dim)
-        q, gate = linear(x, self.q_proj.weight, self.q_proj.bias).view(heads).chunk(2, dim=-1)
+        if self._qkv is None:
+            projections = (
+                linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+        else:
+            projections = linear(x, *self._qkv).split(self._split, dim=-1)
+        q_gate, k, v = projections
+        q, gate = q_gate.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         kv_heads = (-1, self.num_kv_heads, self.head_dim)
-        k = linear(x, self.k_proj.weight, self.k_proj.bias).view(kv_heads)
-        v = linear(x, self.v_proj.weight, self.v_proj.bias).view(kv_heads)
+        k, v = k.reshape(kv_heads), v.reshape(kv_heads)
         q = self.rotary.rotate(positions, self.q_norm(q))
         k = self.rotary.rotate(positions, self.k_norm(k))
         out = self.attn(q.contiguous(), k.contiguous(), v).flatten(1)

@@ -26,7 +26,7 @@ from blockdraft.kernels.gated_delta_rule import (
     lanewise,
 )
 from blockdraft.kernels.select import PerDevice, get_gated_delta_rule_backend
-from blockdraft.layers.linear import linear
+from blockdraft.layers.linear import fuse_linears, linear
 
 
 class RMSNormGated(nn.Module):
@@ -88,6 +88,13 @@ class GatedDeltaNet(nn.Module):
         self.stash_qkv: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
         self.stash_ba: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv]
         self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
+        self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for the four input projections (qkv, z, b, a) instead of four."""
+        self._in_proj = fuse_linears(
+            self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        )
 
     def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
         """Bytes of one slot: conv state and verify stash in `dtype`, recurrent state fp32."""
@@ -117,10 +124,16 @@ class GatedDeltaNet(nn.Module):
         meta = get_attention_metadata().linear
         if meta is None:
             raise RuntimeError("a linear-attention layer needs LinearStateMetadata")
-        qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
-        ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
+        if self._in_proj is None:
+            qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
+            z = linear(x, self.in_proj_z.weight)  # [num_tokens, value_dim]
+            ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
+        else:
+            qkv, z, ba = linear(x, *self._in_proj).split(
+                (self.conv_dim, self.value_dim, 2 * self.num_v_heads), dim=-1
+            )
         core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
-        z = linear(x, self.in_proj_z.weight).view_as(core)
+        z = z.reshape(core.shape)
         return linear(self.norm(core, z).flatten(1), self.out_proj.weight)
 
     def _mix(

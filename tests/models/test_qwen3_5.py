@@ -26,6 +26,7 @@ from blockdraft.kernels.gated_delta_rule import (
     recurrent_gated_delta_rule_torch,
 )
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 from blockdraft.runtime.host_batch import build_attention_metadata
 
@@ -79,10 +80,12 @@ def test_recurrence_lengths_stop_each_row(rng) -> None:
         assert torch.equal(states[r], want), row
 
 
-def test_forward_matches_transformers(rng) -> None:
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-projections"])
+def test_forward_matches_transformers(rng, fused: bool) -> None:
     """Prefill chunks (chunked rule) and decode steps (recurrence) read and write the state
     slot and the paged cache; logits at every position equal transformers' full forward.
-    Linear layers with 2 key heads serving 4 value heads."""
+    Linear layers with 2 key heads serving 4 value heads; input projections separate or fused
+    into one GEMM per mixer."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     hf = _qwen3_5_model(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
@@ -90,6 +93,8 @@ def test_forward_matches_transformers(rng) -> None:
     )  # fmt: skip
     model = Qwen3_5LM(qwen3_5_config(hf.config.to_dict())).eval().requires_grad_(False)
     model.load_state_dict(hf.state_dict())
+    if fused:
+        fuse_projections(model)
     block_size, slot = 4, 1
     allocate_kv_cache(model.attention_layers, 40, block_size, torch.float32, CPU)
     model.allocate_states(3, 0, torch.float32, CPU)
