@@ -18,6 +18,7 @@ from blockdraft.kernels.forward_context import (
 )
 from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
+from blockdraft.runtime.commit_graphs import CommitGraphs
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 from blockdraft.runtime.host_batch import (
     build_attention_metadata,
@@ -151,8 +152,10 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.sampling = SamplingTensorCache(device)
         self.verifier = Verifier(self.sampling, device, synthetic_acceptance_rate)
-        # Hybrid models: linear-attention state slots, committed after each verify.
+        # Hybrid models: linear-attention state slots, committed after each verify (by a
+        # captured graph per batch bucket on CUDA, blockdraft/engine/cuda_graphs.py).
         self.has_linear_state = hasattr(model, "commit_verified")
+        self.commit_graphs: CommitGraphs | None = None
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
@@ -268,7 +271,10 @@ class ModelRunner:
         slot_tensor, before = int64_tensors(
             self.device, slots, [len(c.token_ids) - c.num_drafts for c in chunks]
         )
-        self.model.commit_verified(slot_tensor, before + num_accepted)
+        if self.commit_graphs is not None:
+            self.commit_graphs.run(slot_tensor, before + num_accepted)
+        else:
+            self.model.commit_verified(slot_tensor, before + num_accepted)
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         """The step's one device-to-host read (one sync), for decode and verify alike."""

@@ -78,7 +78,8 @@ def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) 
 @pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
 def test_hybrid_engine_output_unchanged_with_graph_twins(tmp_path, rng, speculative) -> None:
     """A hybrid target's decode and verify graphs take the requests' state slots as inputs
-    (a verify's states committed after the replay); prefill chunks stay eager."""
+    (a verify's states committed after the replay, by a graph of its own); prefill chunks stay
+    eager."""
     target = make_qwen3_5_checkpoint(tmp_path / "target")
     spec = None
     if speculative:
@@ -98,10 +99,16 @@ def test_hybrid_engine_output_unchanged_with_graph_twins(tmp_path, rng, speculat
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     graphed = LLM(str(target), **kw)
     capture_twins(graphed, [1, 2, 4, 8])
-    replays = {q: count_replays(r) for q, r in graphed.engine.runner.graphs.items()}
+    runner = graphed.engine.runner
+    replays = {q: count_replays(r) for q, r in runner.graphs.items()}
+    commits = []
+    if speculative:
+        original = runner.commit_graphs.run
+        runner.commit_graphs.run = lambda s, n: commits.append(len(s)) or original(s, n)
     torch.manual_seed(0)
     outs = graphed.generate(prompts, params, use_tqdm=False)
     assert replays[6 if speculative else 1], replays  # verify steps / decode steps
+    assert bool(commits) == speculative
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
