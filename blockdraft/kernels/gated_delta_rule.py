@@ -42,14 +42,15 @@ def causal_conv1d_torch(
     weight: torch.Tensor,  # [C, K] depthwise taps
 ) -> torch.Tensor:  # [B, T, C] silu(conv) of the T new inputs, window's dtype
     """Depthwise causal convolution with SiLU, as a sum over the K taps in a fixed order
-    (elementwise, so a row's output does not depend on the batch it runs in)."""
+    (elementwise, so a row's output does not depend on the batch it runs in), accumulated in
+    float32 and rounded to the window's dtype before the SiLU, as a half-precision conv1d."""
     k = weight.shape[1]
     t = window.shape[1] - (k - 1)
-    w = weight.to(window.dtype)
-    out = window[:, 0:t] * w[:, 0]
+    x, w = window.float(), weight.float()
+    out = x[:, 0:t] * w[:, 0]
     for j in range(1, k):
-        out = out + window[:, j : j + t] * w[:, j]
-    return lanewise(F.silu, out)
+        out = out + x[:, j : j + t] * w[:, j]
+    return lanewise(F.silu, out.to(window.dtype))
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., D] float32
