@@ -9,8 +9,9 @@ slot of per-layer pools that the engine allocates beside the paged KV cache
 (`allocate_states`); the forward context says which slot each sequence uses
 (`LinearStateMetadata`). Prefill chunks run the chunked rule and write their slot; decode rows
 and verify blocks run the recurrence as one padded batch. A verify block only reads its slot
-and keeps its inputs (`stash_*`): `commit_verified` then advances the slot over the accepted
-rows with the recurrence, so rejected rows leave no trace and the target never runs twice.
+and keeps its conv inputs and outputs, g and beta (`stash_*`): `commit_verified` then advances
+the slot over the accepted rows with the recurrence alone, so rejected rows leave no trace and
+the target never runs twice.
 """
 
 from __future__ import annotations
@@ -85,8 +86,10 @@ class GatedDeltaNet(nn.Module):
         # Bound by `allocate_states`: slot pools, the last slot spare.
         self.conv_state: torch.Tensor | None = None  # [num_slots, K - 1, conv_dim]
         self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
+        # A verify block's inputs, kept for the commit: conv inputs, conv outputs, g and beta.
         self.stash_qkv: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
-        self.stash_ba: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv]
+        self.stash_mixed: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
+        self.stash_gb: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv] float32
         self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
         self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
@@ -97,10 +100,11 @@ class GatedDeltaNet(nn.Module):
         )
 
     def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
-        """Bytes of one slot: conv state and verify stash in `dtype`, recurrent state fp32."""
+        """Bytes of one slot: conv state and verify stash in `dtype` (g, beta in float32),
+        recurrent state in float32."""
         elem = torch.empty((), dtype=dtype).element_size()
         conv = (self.conv_kernel - 1) * self.conv_dim * elem
-        stash = max_verify_len * (self.conv_dim + 2 * self.num_v_heads) * elem
+        stash = max_verify_len * (2 * self.conv_dim * elem + 2 * self.num_v_heads * 4)
         return conv + stash + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
 
     def allocate_states(
@@ -115,7 +119,8 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_state = torch.zeros(num_slots, hv, dk, dv, device=device)
         stash = (num_slots, max_verify_len)
         self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
-        self.stash_ba = torch.zeros(*stash, 2 * hv, dtype=dtype, device=device)
+        self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
+        self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
 
     def forward(
         self,
@@ -154,12 +159,7 @@ class GatedDeltaNet(nn.Module):
         if step is not None:
             slots, fresh = meta.state_slots[step.seqs], meta.fresh[step.seqs]
             x, b_a = qkv[step.rows], ba[step.rows]  # [S, W, ...]
-            if step.verify is not None:  # verify blocks keep their inputs for the commit
-                width = step.rows.shape[1]
-                v_slots = slots[step.verify]
-                self.stash_qkv[v_slots, :width] = x[step.verify].to(self.stash_qkv.dtype)
-                self.stash_ba[v_slots, :width] = b_a[step.verify].to(self.stash_ba.dtype)
-            core = self._advance(x, b_a, slots, fresh, step.lengths, step.write)
+            core = self._advance(x, b_a, slots, fresh, step.lengths, step.write, step.verify)
             out[step.out_dst] = core.flatten(0, 1)[step.out_src]
         return out
 
@@ -169,12 +169,18 @@ class GatedDeltaNet(nn.Module):
         lengths: torch.Tensor,  # [V] int64 rows to keep: the accepted drafts + the rows before
     ) -> None:
         """Advances each verified sequence's state over the first `lengths` rows of its last
-        verify block (its stashed inputs), as decoding them would have."""
+        verify block (its kept conv outputs, g and beta), as decoding them would have."""
         width = self.stash_qkv.shape[1]
-        x, b_a = self.stash_qkv[slots], self.stash_ba[slots]
+        lengths = lengths.clamp(max=width)
         fresh = torch.zeros_like(slots, dtype=torch.bool)
         write = torch.ones_like(slots, dtype=torch.bool)
-        self._advance(x, b_a, slots, fresh, lengths.clamp(max=width), write)
+        q, k, v = self._heads(self.stash_mixed[slots])
+        g, beta = self.stash_gb[slots].split(self.num_v_heads, dim=-1)
+        recurrence = self._recurrence(slots.device)
+        recurrence(q, k, v, g, beta, self.recurrent_state, slots, fresh, lengths, write)
+        conv_old = self.conv_state[slots]
+        self._store_conv(torch.cat((conv_old, self.stash_qkv[slots]), 1), conv_old, slots,
+                         lengths, write)  # fmt: skip
 
     def _advance(
         self,
@@ -184,6 +190,7 @@ class GatedDeltaNet(nn.Module):
         fresh: torch.Tensor,  # [S] bool: start from zero states
         lengths: torch.Tensor | None = None,  # [S] int64 rows each takes; None: all (chunked)
         write: torch.Tensor | None = None,  # [S] bool: store the states reached; None: all
+        verify: torch.Tensor | None = None,  # [V] int64 rows (of S) whose inputs are kept
     ) -> torch.Tensor:  # [S, T, Hv, Dv]
         """Conv and delta rule of S sequences from their slots' states: the recurrence when
         `lengths` are given, else the chunked rule over all T rows."""
@@ -193,25 +200,46 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat((torch.where(keep, conv_old, 0), x.to(conv_old.dtype)), dim=1)
         mixed = causal_conv1d_torch(window, self.conv1d.weight.view(self.conv_dim, -1))
         mixed = mixed.to(x.dtype)  # [S, T, conv_dim]
-        s, t = x.shape[:2]
-        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        q = q.reshape(s, t, self.num_k_heads, self.k_head_dim)
-        k = k.reshape(s, t, self.num_k_heads, self.k_head_dim)
-        v = v.reshape(s, t, self.num_v_heads, self.v_head_dim)
         b, a = b_a.split(self.num_v_heads, dim=-1)
         beta = lanewise(torch.sigmoid, b)
         g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
+        if verify is not None:  # verify blocks keep their inputs for the commit
+            v_slots, width = slots[verify], x.shape[1]
+            self.stash_qkv[v_slots, :width] = x[verify].to(self.stash_qkv.dtype)
+            self.stash_mixed[v_slots, :width] = mixed[verify].to(self.stash_mixed.dtype)
+            self.stash_gb[v_slots, :width] = torch.cat((g, beta.float()), -1)[verify]
+        q, k, v = self._heads(mixed)
         pool = self.recurrent_state
         if lengths is None:
             state0 = torch.where(keep[..., None], pool[slots], 0)
             core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
             pool[slots] = state
-            self.conv_state[slots] = window[:, t:]
+            self.conv_state[slots] = window[:, x.shape[1] :]
             return core
         recurrence = self._recurrence(x.device)
         core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
-        # The conv state after each sequence's rows: the last K - 1 inputs of its window.
-        idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=x.device)[None, :]
+        self._store_conv(window, conv_old, slots, lengths, write)
+        return core
+
+    def _heads(
+        self,
+        mixed: torch.Tensor,  # [S, T, conv_dim] conv outputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k [S, T, Hk, Dk], v [S, T, Hv, Dv]
+        s, t = mixed.shape[:2]
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        heads = (s, t, self.num_k_heads, self.k_head_dim)
+        return q.reshape(heads), k.reshape(heads), v.reshape(s, t, self.num_v_heads, -1)
+
+    def _store_conv(
+        self,
+        window: torch.Tensor,  # [S, K - 1 + T, conv_dim] conv state, then the T inputs
+        conv_old: torch.Tensor,  # [S, K - 1, conv_dim] the slots' conv states
+        slots: torch.Tensor,  # [S] int64
+        lengths: torch.Tensor,  # [S] int64 inputs each sequence took
+        write: torch.Tensor,  # [S] bool
+    ) -> None:
+        """The conv state after each sequence's rows (the last K - 1 inputs of its window)
+        into the slots that `write`."""
+        idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=window.device)[None, :]
         conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
         self.conv_state[slots] = torch.where(write[:, None, None], conv_new, conv_old)
-        return core
