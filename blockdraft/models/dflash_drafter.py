@@ -76,16 +76,19 @@ class DFlashConfig:
                 f"layer_types has {len(layer_types)} entries for {body.num_layers} layers"
             )
         causal_override = value("causal", hf.get("is_causal"))
-        window = hf.get("sliding_window")
+        # `use_sliding_window: false` (Qwen3Config's) drops the window: sliding layers are
+        # then only causal, as z-lab's drafter built from such a config runs them.
+        unwindowed = hf.get("use_sliding_window") is False
+        window = None if unwindowed else hf.get("sliding_window")
         causal, windows = [], []
         for t in layer_types:
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"unsupported drafter layer type {t!r}")
             sliding = t == "sliding_attention"
-            if sliding and not window:
+            if sliding and not window and not unwindowed:
                 raise ValueError("sliding_attention layers need a positive sliding_window")
             causal.append(sliding if causal_override is None else bool(causal_override))
-            windows.append(int(window) if sliding else None)
+            windows.append(int(window) if sliding and window else None)
         softcap = value("final_logit_softcapping")
         return cls(
             body=body,
