@@ -198,11 +198,10 @@ def test_one_host_readback_per_step(random_pair, monkeypatch, rng) -> None:
     assert sorted(outs) == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("use_sliding_window", [True, False])
-def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng, use_sliding_window) -> None:
-    """The drafter's first logits on a hybrid target's features equal z-lab's, for its
-    sliding-window layers and for a config that turns the window off (`use_sliding_window:
-    false`: z-lab's layers are then causal without a window)."""
+def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng) -> None:
+    """The sliding-window drafter's first logits on a hybrid target's features equal z-lab's;
+    a config whose sliding layers have their window turned off (`use_sliding_window: false`,
+    with which transformers builds no cache for them) is refused at load."""
     import json
     import shutil
 
@@ -211,17 +210,10 @@ def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng, use_sliding_w
     from checkpoints import zlab_first_draft_logits
 
     target, drafter = random_pair
-    if not use_sliding_window:
-        drafter = shutil.copytree(drafter, tmp_path / "unwindowed")
-        cfg = json.loads((drafter / "config.json").read_text())
-        (drafter / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": False}))
     prompt = torch.randint(4, 128, (21,), generator=rng).tolist()
 
     def make_cache(config):
-        # transformers cannot build sliding cache layers without a window: plain ones then.
-        types = getattr(config, "layer_types", None) or []
-        windowless = "sliding_attention" in types and config.sliding_window is None
-        cache = DynamicCache() if windowless else DynamicCache(config=config)
+        cache = DynamicCache(config=config)
         cache.activate_past_recording(recurrent_states_to_keep=8)
         return cache
 
@@ -234,3 +226,8 @@ def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng, use_sliding_w
     proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    off = shutil.copytree(drafter, tmp_path / "unwindowed")
+    cfg = json.loads((off / "config.json").read_text())
+    (off / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": False}))
+    with pytest.raises(ValueError, match="use_sliding_window not false"):
+        LLM(str(target), speculative_config=spec(off, 7))
