@@ -59,6 +59,8 @@ def qwen3_5_config(hf: dict) -> HybridConfig:
             f"config.json layer_types must list {num_layers} entries of {', '.join(LAYER_TYPES)}; "
             f"got {layer_types!r}"
         )
+    if text.get("attn_output_gate", True) is not True:
+        raise ValueError("config.json attn_output_gate must be true: Qwen3.5 gates its attention")
     rope = text.get("rope_parameters") or {}
     try:
         return HybridConfig(

@@ -262,3 +262,16 @@ def test_multimodal_checkpoint_loads_its_language_model(hybrid_target, tmp_path,
     assert "skipped 2 vision-tower / MTP tensors" in caplog.text
     want = LLM(str(hybrid_target)).generate([prompt], params, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_bad_configs_are_refused(hybrid_target: Path) -> None:
+    hf = json.loads((hybrid_target / "config.json").read_text())
+    qwen3_5_config(hf)
+    for edit, message in [
+        ({"layer_types": ["linear_attention"]}, "must list 5 entries"),
+        ({"layer_types": ["mamba"] * 5}, "must list 5 entries"),
+        ({"attn_output_gate": False}, "attn_output_gate must be true"),
+        ({"linear_num_value_heads": 3}, "multiple of linear_num_key_heads"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            Qwen3_5LM(qwen3_5_config({**hf, **edit}))
