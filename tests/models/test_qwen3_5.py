@@ -221,6 +221,24 @@ def test_generate_matches_transformers(hybrid_target: Path, rng, caplog) -> None
     assert sorted(manager.free_state_slots) == list(range(4))
 
 
+def test_async_decode_matches_transformers(hybrid_target: Path, rng) -> None:
+    """Decode steps launched before the previous one is read back (async_decode) advance the
+    state slots in order; a request finishing early frees its slot while its next row is in
+    flight, and the request admitted after it starts from a fresh state."""
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (6, 17, 9)]
+    refs = hf_greedy(hybrid_target, prompts, 14)
+    llm = LLM(str(hybrid_target), async_decode=True, max_num_seqs=2)
+    runner, ahead = llm.engine.runner, []
+    original = runner.launch_decode_ahead
+    runner.launch_decode_ahead = lambda *a: ahead.append(1) or original(*a)
+    lengths = (5, 14, 14)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in lengths]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(ahead) > 5
+    for out, ref, m in zip(outs, refs, lengths, strict=True):
+        assert out.outputs[0].token_ids == ref[:m]
+
+
 def test_preemption_and_abort_free_state_slots(hybrid_target: Path, rng) -> None:
     """A pool too small for every request preempts (the request recomputes from a fresh state)
     and an aborted request gives its slot back; the others' output still equals transformers'."""
