@@ -214,6 +214,11 @@ def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
     intermediate_size and optionally num_layers and moe (a models TransformerConfig)."""
     if size == 1:
         return
+    if "linear_attention" in getattr(cfg, "layer_types", ()):
+        raise ValueError(
+            f"tensor_parallel_size {size}: {what} has Gated DeltaNet (linear attention) layers, "
+            "which tensor parallelism does not split yet; use tensor_parallel_size 1"
+        )
     heads, kv_heads, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     moe = getattr(cfg, "moe", None)
     problems = []

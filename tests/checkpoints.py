@@ -7,6 +7,8 @@ Every builder writes float32 weights on CPU and runs well under a second:
   tokenizer files and ``generation_config.json``).
 * ``make_qwen3_moe_checkpoint``: a random ``Qwen3MoeForCausalLM`` (experts one tensor each, as
   ``save_pretrained`` writes them, or stacked).
+* ``make_qwen3_5_checkpoint``: a random hybrid ``Qwen3_5ForCausalLM`` (Gated DeltaNet and
+  gated full-attention layers).
 * ``make_predictable_target``: a target whose greedy continuation is a fixed token cycle
   (``predictable_next_token``), the partner of an agreeing drafter.
 * ``make_dflash_drafter``: a z-lab format DFlash drafter (``DFlashDraftModel``) for a target;
@@ -41,6 +43,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -455,6 +459,104 @@ def make_qwen3_moe_checkpoint(
     return out_dir
 
 
+HYBRID_LAYER_TYPES = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+
+
+def _qwen3_5_model(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tie_word_embeddings: bool,
+    seed: int | None,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    linear_head_dim: int = 8,
+    randomize_norms: bool = True,
+) -> Qwen3_5ForCausalLM:
+    layer_types = layer_types or (HYBRID_LAYER_TYPES * num_layers)[:num_layers]
+    config = Qwen3_5TextConfig(
+        **_common_config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings,
+        ),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": ROPE_THETA,
+            "partial_rotary_factor": 0.25,
+        },
+        layer_types=list(layer_types),
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+        linear_key_head_dim=linear_head_dim,
+        linear_value_head_dim=linear_head_dim,
+        linear_conv_kernel_dim=4,
+    )
+    with _seeded(seed):
+        model = Qwen3_5ForCausalLM(config).float().eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):  # decays that keep a few tokens in the state
+                    p.copy_(torch.empty_like(p).uniform_(0.05, 0.8).log())
+                elif name.endswith("dt_bias"):
+                    p.normal_(0.0, 0.5)
+                elif randomize_norms and name.endswith("linear_attn.norm.weight"):
+                    p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                elif randomize_norms and name.endswith("norm.weight"):  # offsets from one
+                    p.normal_(0.0, 0.2)
+    return model
+
+
+def make_qwen3_5_checkpoint(
+    out_dir: Path,
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 96,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    linear_head_dim: int = 8,
+    tie_word_embeddings: bool = False,
+    seed: int | None = None,
+) -> Path:
+    """A random ``Qwen3_5ForCausalLM``: ``layer_types`` (default linear, full, linear,
+    linear, ...) mixes Gated DeltaNet and gated full attention (partial rotary 0.25);
+    ``linear_heads`` = (key heads, value heads) of the linear layers. Decays (``A_log``,
+    ``dt_bias``) keep a few tokens in the recurrent state, and the norm weights are drawn
+    around their identity so that a norm applied the wrong way shows."""
+    model = _qwen3_5_model(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        layer_types=layer_types,
+        linear_heads=linear_heads,
+        linear_head_dim=linear_head_dim,
+    )
+    return _save_target(
+        model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="rope_parameters"
+    )
+
+
 def predictable_next_token(token: int, vocab_size: int) -> int:
     """The greedy successor of ``token`` under ``make_predictable_target``.
 
@@ -479,7 +581,7 @@ def predictable_continuation(prompt_ids: list[int], n: int, vocab_size: int) -> 
 def make_predictable_target(
     out_dir: Path,
     *,
-    arch: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3",
+    arch: Literal["qwen3", "llama", "qwen3_moe", "qwen3_5"] = "qwen3",
     vocab_size: int = 64,
     hidden_size: int = 64,
     num_layers: int = 4,
@@ -495,7 +597,8 @@ def make_predictable_target(
     """A target whose greedy next token is ``predictable_next_token(current token)``.
 
     Built from a random model of the chosen architecture (``llama`` gets Llama-3 rope scaling,
-    ``qwen3_moe`` routes every layer's MLP over 8 experts, top 2):
+    ``qwen3_moe`` routes every layer's MLP over 8 experts, top 2;
+    ``qwen3_5`` is the hybrid one, its linear layers' ``out_proj`` scaled like ``o_proj``):
 
     * ``embed_tokens`` is the identity: token ``t`` enters the residual stream as one-hot
       ``e_t`` (needs ``hidden_size >= vocab_size``).
@@ -530,8 +633,10 @@ def make_predictable_target(
         model = _llama_model(**common, llama3_rope_scaling=True)
     elif arch == "qwen3_moe":
         model = _qwen3_moe_model(**common)
+    elif arch == "qwen3_5":
+        model = _qwen3_5_model(**common, randomize_norms=False)
     else:
-        raise ValueError(f"arch must be 'qwen3', 'llama' or 'qwen3_moe', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'llama', 'qwen3_moe' or 'qwen3_5', got {arch!r}")
     with torch.no_grad(), _seeded(None if seed is None else seed + 1):
         embed = torch.zeros(vocab_size, hidden_size)
         embed[:, :vocab_size] = torch.eye(vocab_size)
@@ -541,10 +646,14 @@ def make_predictable_target(
             head[predictable_next_token(t, vocab_size), t] = 1.0
         model.get_output_embeddings().weight.copy_(head)
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(layer_output_scale)
+            mixer = getattr(layer, "self_attn", None)
+            out_proj = mixer.o_proj if mixer is not None else layer.linear_attn.out_proj
+            out_proj.weight.mul_(layer_output_scale)
             experts = getattr(layer.mlp, "experts", None)
             down = layer.mlp.down_proj.weight if experts is None else experts.down_proj
             down.mul_(layer_output_scale)
+    if arch == "qwen3_5":  # its partial rotary factor lives in rope_parameters
+        rope_config_style = "rope_parameters"
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=shard, rope_config_style=rope_config_style
     )

@@ -1,5 +1,8 @@
 """Paged KV-cache blocks: allocation, reference counts and prefix caching.
 
+Hybrid models also give each request holding blocks one state slot (its linear-attention
+layers' conv and recurrent states), taken with its first blocks and freed with them.
+
 A full block whose tokens are all computed is registered under a hash of (previous block's
 hash, its token ids); a new request whose prompt starts with the same tokens shares the block
 instead of recomputing it. Freed blocks keep their hash and stay reusable until a fresh
@@ -14,8 +17,16 @@ from blockdraft.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        num_state_slots: int = 0,  # hybrid models: requests that can hold a state slot
+    ) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.uses_state_slots = num_state_slots > 0
+        self.free_state_slots = list(range(num_state_slots))
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -65,13 +76,16 @@ class BlockManager:
         return len(seq.block_table) * self.block_size
 
     def ensure_capacity(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give `seq` enough blocks for `num_tokens` positions; False (and nothing allocated)
-        when the pool cannot."""
+        """Give `seq` enough blocks for `num_tokens` positions (and a state slot, on hybrid
+        models); False (and nothing allocated) when the pool cannot."""
         needed = -(-num_tokens // self.block_size) - len(seq.block_table)
-        if needed <= 0:
-            return True
+        needs_slot = self.uses_state_slots and seq.state_slot is None
+        if needs_slot and not self.free_state_slots:
+            return False
         if needed > len(self.free_blocks):
             return False
+        if needs_slot:
+            seq.state_slot = self.free_state_slots.pop()
         for _ in range(needed):
             block_id, _ = self.free_blocks.popitem(last=False)
             key = self.block_key.pop(block_id, None)
@@ -104,3 +118,6 @@ class BlockManager:
             if self.ref_counts[block_id] == 0:
                 self.free_blocks[block_id] = None
         seq.block_table = []
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None

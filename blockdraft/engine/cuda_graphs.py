@@ -1,7 +1,8 @@
 """Capture of the uniform steps' CUDA graphs (blockdraft/runtime/cuda_graph_runner.py): decode
 at every batch bucket; verify (the target's, held by the model runner) and propose (the
 drafter's, held by the proposer) of 1+N rows for each N of the draft schedule, at the buckets of
-the batch sizes that use that N. All share one memory pool. Off CUDA the graphs are eager twins
+the batch sizes that use that N; a hybrid target's state commit after a verify at every
+bucket. All share one memory pool. Off CUDA the graphs are eager twins
 (tests)."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.engine.model_runner import ModelRunner
+from blockdraft.runtime.commit_graphs import CommitGraphs
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 from blockdraft.spec_decode.draft_schedule import DraftSchedule
 from blockdraft.spec_decode.proposer import DFlashProposer
@@ -31,12 +33,19 @@ def capture_graphs(
     def capture_target(q: int, sizes: list[int]) -> None:
         nonlocal pool
         graphs = CUDAGraphRunner(
-            runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool
-        )
+            runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool,
+            linear_state=runner.has_linear_state,
+        )  # fmt: skip
         graphs.capture()
         runner.graphs[q], pool = graphs, graphs.pool
 
     capture_target(1, batch_sizes)
+    if runner.has_linear_state and draft_schedule:
+        runner.commit_graphs = CommitGraphs(
+            runner.model.commit_verified, batch_sizes, runner.device, pool
+        )
+        runner.commit_graphs.capture()
+        pool = runner.commit_graphs.pool
     for n in draft_schedule.all_num_drafts if draft_schedule else []:
         if n == 0:  # no drafts: the steps after are plain decodes (graphs[1])
             continue

@@ -1,5 +1,6 @@
 """The paged KV pool: how many blocks it gets, and its allocation in every attention layer
-(the target's and the drafter's, which share the block tables)."""
+(the target's and the drafter's, which share the block tables). Hybrid models' per-request
+state slots come out of the same memory budget first (`state_bytes`)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def num_kv_blocks(
     device: torch.device,
     max_model_len: int,
     lookahead: int,
+    state_bytes: int = 0,  # the linear-attention state slots' bytes, taken from the budget
 ) -> int:
-    """The pool's blocks: config.num_kv_blocks, else what the memory budget holds, at most what
-    max_num_seqs requests of max_model_len need; at least one such request's worth."""
+    """The pool's blocks: config.num_kv_blocks, else what the memory budget holds after
+    `state_bytes`, at most what max_num_seqs requests of max_model_len need; at least one such
+    request's worth."""
     cfg = config
     per_seq = max_blocks_per_seq(max_model_len, lookahead, cfg.block_size)
     per_block = kv_bytes_per_block(layers, cfg.block_size, cfg.torch_dtype)
@@ -60,7 +63,7 @@ def num_kv_blocks(
             free, _ = torch.cuda.mem_get_info(device)
             total = torch.cuda.get_device_properties(device).total_memory
             kept = (1 - cfg.gpu_memory_utilization) * total
-            budget = free - kept
+            budget = free - kept - state_bytes
             room = (
                 f"{_gib(free)} is free after the weights, of which gpu_memory_utilization "
                 f"{cfg.gpu_memory_utilization} keeps {_gib(kept)} back"
@@ -70,9 +73,11 @@ def num_kv_blocks(
                 "LLM.shutdown() an engine no longer used)"
             )
         else:
-            budget = cfg.kv_cache_memory_gib * 2**30
-            room = f"kv_cache_memory_gib gives it {_gib(budget)}"
+            budget = cfg.kv_cache_memory_gib * 2**30 - state_bytes
+            room = f"kv_cache_memory_gib gives it {_gib(budget + state_bytes)}"
             fix = "raise kv_cache_memory_gib or lower max_model_len"
+        if state_bytes:
+            room += f" and the linear-attention states take {_gib(state_bytes)} of it"
         num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
     if num_blocks < per_seq:
         raise ValueError(

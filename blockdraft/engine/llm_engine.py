@@ -87,13 +87,30 @@ class LLMEngine:
             self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
             attention_layers += loaded.drafter.attention_layers
         kv_layers, bs = attention_layers, config.block_size
+        # Hybrid models: a state slot per running request, plus a spare that rows of requests
+        # without one (warm-up) use.
+        hybrid = hasattr(self.model, "allocate_states")
+        num_slots = config.max_num_seqs + 1 if hybrid else 0
+        state_bytes = num_slots and num_slots * self.model.state_bytes(
+            config.torch_dtype, self.lookahead
+        )
         num_blocks = num_kv_blocks(
-            config, kv_layers, self.device, self.max_model_len, self.lookahead
+            config, kv_layers, self.device, self.max_model_len, self.lookahead, state_bytes
         )
         if tp is not None:  # one block table for every rank's pool
             num_blocks = tp.min_over_ranks(num_blocks, self.device)
         allocate_kv_cache(kv_layers, num_blocks, bs, config.torch_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        if hybrid:
+            self.model.allocate_states(num_slots, self.lookahead, config.torch_dtype, self.device)
+        prefix_caching = config.enable_prefix_caching and not hybrid
+        if hybrid and config.enable_prefix_caching:
+            logger.info(
+                "prefix caching is off: the model's linear-attention layers keep one recurrent "
+                "state per request, not one per cached block"
+            )
+        self.block_manager = BlockManager(
+            num_blocks, bs, prefix_caching, num_state_slots=config.max_num_seqs if hybrid else 0
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )

@@ -152,11 +152,14 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         init_dummy_weights(model)
     else:
         params = dict(model.named_parameters())
+        tensors = iter_checkpoint_tensors(
+            ckpt, param_shards(params), other_ranks_tensors(params, model.checkpoint_slice)
+        )
+        # A family may rename or skip checkpoint tensors (a multimodal checkpoint's LM).
+        rename = getattr(model, "checkpoint_tensors", None)
         load_weights(
             params,
-            iter_checkpoint_tensors(
-                ckpt, param_shards(params), other_ranks_tensors(params, model.checkpoint_slice)
-            ),
+            tensors if rename is None else rename(tensors),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

@@ -11,9 +11,14 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.engine.scheduler import ScheduledChunk
-from blockdraft.kernels.forward_context import forward_context
+from blockdraft.kernels.forward_context import (
+    LinearStateMetadata,
+    build_linear_metadata,
+    forward_context,
+)
 from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
+from blockdraft.runtime.commit_graphs import CommitGraphs
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 from blockdraft.runtime.host_batch import (
     build_attention_metadata,
@@ -99,6 +104,7 @@ def run_forward(
     block_size: int,
     device: torch.device,
     device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
+    linear: LinearStateMetadata | None = None,  # hybrid models' state slots
 ) -> object:
     """One forward over a flat batch: replays a CUDA graph when every request has the same
     number of rows and one was captured for it, else runs eagerly. Outputs are sliced to the
@@ -108,6 +114,8 @@ def run_forward(
     flat_ids = [t for ids in token_ids for t in ids]
     positions = [s + i for s, n in zip(starts, query_lens, strict=True) for i in range(n)]
     graph = graphs.get(query_lens[0]) if len(set(query_lens)) == 1 else None
+    if linear is not None and linear.prefill:  # a hybrid target's graphs decode or verify
+        graph = None
     if graph is not None and graph.fits(len(starts), max(len(t) for t in block_tables)):
         rows = len(flat_ids)
         slots = flat_slots(block_tables, starts, query_lens, block_size)
@@ -117,11 +125,13 @@ def run_forward(
         flat = host_int64(flat_ids + positions + slots + seq_lens, pinned)
         ids, pos, slot_mapping, lens = flat.split([rows, rows, rows, len(seq_lens)])
         tables = host_int64(padded_block_tables(block_tables), pinned)
-        out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids)
+        states = None if linear is None else (linear.state_slots, linear.fresh)
+        out = graph.run(ids, pos, slot_mapping, lens, tables, device_ids, states)
         if isinstance(out, tuple):
             return tuple(o[:rows] if o is not None else None for o in out)
         return out[:rows]
     meta = build_attention_metadata(block_tables, starts, query_lens, block_size, device)
+    meta.linear = linear
     ids, pos = int64_tensors(device, flat_ids, positions)
     if device_ids is not None:
         ids.index_copy_(0, *device_ids)
@@ -142,6 +152,10 @@ class ModelRunner:
         self.block_size, self.device = block_size, device
         self.sampling = SamplingTensorCache(device)
         self.verifier = Verifier(self.sampling, device, synthetic_acceptance_rate)
+        # Hybrid models: linear-attention state slots, committed after each verify (by a
+        # captured graph per batch bucket on CUDA, blockdraft/engine/cuda_graphs.py).
+        self.has_linear_state = hasattr(model, "commit_verified")
+        self.commit_graphs: CommitGraphs | None = None
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
@@ -169,6 +183,8 @@ class ModelRunner:
             sampled = self._sample(decode, [ends[i] for i in decode], chunks, hidden)
         if prepared is not None:
             verify_tokens, num_accepted = self._verify(prepared, hidden)
+            if self.has_linear_state:
+                self._commit_states([chunks[i] for i in verify], num_accepted)
         parts = [t.flatten() for t in (sampled, verify_tokens, num_accepted) if t is not None]
         readback, ready = start_readback(torch.cat(parts)) if parts else (None, None)
         return LaunchedStep(
@@ -229,7 +245,36 @@ class ModelRunner:
             self.block_size,
             self.device,
             device_ids,
+            self._linear_metadata(chunks) if self.has_linear_state else None,
         )
+
+    def _linear_metadata(self, chunks: list[ScheduledChunk]) -> LinearStateMetadata:
+        """Each chunk's state slot (requests without one, warm-up rows, use the spare last
+        slot), whether it starts the request, and whether it is a verify block."""
+        slots = [-1 if c.seq.state_slot is None else c.seq.state_slot for c in chunks]
+        slot_tensor, starts = int64_tensors(self.device, slots, [c.start for c in chunks])
+        return build_linear_metadata(
+            slot_tensor,
+            starts == 0,
+            [len(c.token_ids) for c in chunks],
+            [c.num_drafts > 0 for c in chunks],
+        )
+
+    def _commit_states(
+        self,
+        chunks: list[ScheduledChunk],  # the verified chunks
+        num_accepted: torch.Tensor,  # [V] int64 on the device
+    ) -> None:
+        """Linear-attention states at each verify's accepted length: the rows before the
+        drafts and the accepted drafts (queued on the device, nothing read back)."""
+        slots = [-1 if c.seq.state_slot is None else c.seq.state_slot for c in chunks]
+        slot_tensor, before = int64_tensors(
+            self.device, slots, [len(c.token_ids) - c.num_drafts for c in chunks]
+        )
+        if self.commit_graphs is not None:
+            self.commit_graphs.run(slot_tensor, before + num_accepted)
+        else:
+            self.model.commit_verified(slot_tensor, before + num_accepted)
 
     def finish(self, step: LaunchedStep) -> StepOutput:
         """The step's one device-to-host read (one sync), for decode and verify alike."""

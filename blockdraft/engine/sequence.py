@@ -42,6 +42,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose K/V (target and drafter) are in the cache
         self.block_table: list[int] = []
+        # Its linear-attention state slot (hybrid models) while it holds blocks; None otherwise.
+        self.state_slot: int | None = None
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.last_block_hash: int | None = None  # of the last one's key: the next one's parent
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

@@ -41,10 +41,77 @@ class AttentionMetadata:
     # Masks and gather indices derived from the fields above, built once per step on first use
     # and shared by all layers with the same (causal, window).
     cache: dict = field(default_factory=dict)
+    # Per-request recurrent state of linear-attention layers (hybrid models); None otherwise.
+    linear: LinearStateMetadata | None = None
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+@dataclass
+class StepBatch:
+    """The decode rows and verify blocks of a forward as one padded [S, W] batch for the
+    linear-attention recurrence (gather and scatter indices built once per forward)."""
+
+    seqs: torch.Tensor  # [S] int64 their sequences in the forward's batch
+    rows: torch.Tensor  # [S, W] int64 flat row of each step; past a sequence's end, its last row
+    lengths: torch.Tensor  # [S] int64 rows of each sequence
+    write: torch.Tensor  # [S] bool: not a verify block (its state is stored now)
+    verify: torch.Tensor | None  # [V] int64 indices (into S) of the verify blocks; None: none
+    out_src: torch.Tensor  # [R] int64 flat [S * W] index of each real row's output
+    out_dst: torch.Tensor  # [R] int64 its flat row in the forward
+
+
+@dataclass
+class LinearStateMetadata:
+    """Where each sequence of the batch keeps its linear-attention state (conv and recurrent
+    state slots beside the paged KV cache) and what the forward does with it. Prefill chunks
+    run one by one (the chunked rule); decode rows and verify blocks as one `StepBatch`. Verify
+    blocks read their state and leave it as it was; their inputs are kept so that the step
+    commits the state at the accepted length."""
+
+    state_slots: torch.Tensor  # [num_seqs] int64 slot of each sequence
+    fresh: torch.Tensor  # [num_seqs] bool: starts at position 0 (zero state, slot not read)
+    prefill: list[tuple[int, int, int]]  # (sequence, first row, rows) of each prefill chunk
+    step: StepBatch | None
+
+
+def build_linear_metadata(
+    state_slots: torch.Tensor,  # [num_seqs] int64 on the device
+    fresh: torch.Tensor,  # [num_seqs] bool on the device
+    query_lens: list[int],  # [num_seqs]
+    verify: list[bool],  # [num_seqs]: the sequence's rows are a verify block
+) -> LinearStateMetadata:
+    """A forward's linear-attention metadata: chunks of more than one row that are not verify
+    blocks are prefill chunks, the rest one step batch."""
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    prefill = [
+        (i, first, n)
+        for i, (first, n) in enumerate(zip(starts, query_lens, strict=True))
+        if n > 1 and not verify[i]
+    ]
+    stepped = [i for i, n in enumerate(query_lens) if n == 1 or verify[i]]
+    step = None
+    if stepped:
+        lens = [query_lens[i] for i in stepped]
+        width = max(lens)
+        rows = [starts[i] + min(t, n - 1) for i, n in zip(stepped, lens, strict=True)
+                for t in range(width)]  # fmt: skip
+        src = [j * width + t for j, n in enumerate(lens) for t in range(n)]
+        dst = [starts[i] + t for i, n in zip(stepped, lens, strict=True) for t in range(n)]
+        v_rows = [j for j, i in enumerate(stepped) if verify[i]]
+        device = state_slots.device
+
+        def tensor(values: list) -> torch.Tensor:
+            return torch.tensor(values, device=device)
+
+        step = StepBatch(
+            tensor(stepped), tensor(rows).view(len(stepped), width), tensor(lens),
+            tensor([not verify[i] for i in stepped]), tensor(v_rows) if v_rows else None,
+            tensor(src), tensor(dst),
+        )  # fmt: skip
+    return LinearStateMetadata(state_slots, fresh, prefill, step)
 
 
 _current: AttentionMetadata | None = None

@@ -3,10 +3,10 @@
 The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current_kernel_policy`)
 decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
 store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
-preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, and the
-sampler's hashed uniforms and
-exponential race: "auto" is Triton on CUDA when it imports, torch otherwise; "torch" / "triton"
-force one. Triton on a CPU tensor only runs under its interpreter, which reads
+preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, the
+gated delta rule's recurrence (hybrid models' linear attention), and the sampler's hashed
+uniforms and exponential race: "auto" is Triton on CUDA when it imports, torch otherwise;
+"torch" / "triton" force one. Triton on a CPU tensor only runs under its interpreter, which reads
 TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton kernels
 lazily, on the first call that wants them.
 
@@ -29,6 +29,7 @@ import torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
+from blockdraft.kernels.gated_delta_rule import recurrent_gated_delta_rule_pool_torch
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
@@ -51,6 +52,7 @@ LinearFn = Callable[..., torch.Tensor]
 HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
 DynamicConvFn = Callable[..., torch.Tensor]
+GatedDeltaFn = Callable[..., torch.Tensor]
 
 Fn = TypeVar("Fn")
 
@@ -114,6 +116,16 @@ def get_store_kv_backend(device: torch.device | str | None = None) -> StoreKVFn:
 
         return triton_kv_store.triton_store_kv
     return store_kv
+
+
+def get_gated_delta_rule_backend(device: torch.device | str | None = None) -> GatedDeltaFn:
+    """`fn(query, key, value, g, beta, state_pool, slots, fresh, lengths, write) -> out`: the
+    gated delta rule's recurrence over per-request state slots, same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_gated_delta_rule
+
+        return triton_gated_delta_rule.triton_recurrent_gated_delta_rule
+    return recurrent_gated_delta_rule_pool_torch
 
 
 def get_rms_norm_backend(device: torch.device | str | None = None) -> RMSNormFn:

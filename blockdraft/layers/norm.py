@@ -41,3 +41,27 @@ def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """`norm(x + residual)`, the last layer's residual add fused into the final norm."""
     return norm(x) if residual is None else norm(x, residual)[0]
+
+
+class OffsetRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored as an offset from one (Qwen3.5, Qwen3-Next: weights start
+    at zero): `norm(x) * (1 + weight)`, scaled in float32 before rounding to x's dtype, as
+    transformers' `Qwen3_5RMSNorm`. Takes the residual add before it like `RMSNorm`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden_size]
+        residual: torch.Tensor | None = None,  # [..., hidden_size], the residual stream
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`norm(x)`; with a residual, `(norm(x + residual), x + residual)`."""
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return normed if residual is None else (normed, x)

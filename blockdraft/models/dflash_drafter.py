@@ -121,14 +121,20 @@ class DFlashConfig:
                 f"layer_types has {len(layer_types)} entries for {body.num_layers} layers"
             )
         causal_override = value("causal", hf.get("is_causal"))
-        window = hf.get("sliding_window")
+        # Qwen3Config drops the window when `use_sliding_window` is false (z-lab's drafter
+        # would then run its sliding layers unwindowed, and transformers builds no cache for
+        # them): such a config is refused rather than run with a window it does not have.
+        window = hf.get("sliding_window") if hf.get("use_sliding_window") is not False else None
         causal, windows = [], []
         for t in layer_types:
             if t not in ("full_attention", "sliding_attention"):
                 raise ValueError(f"unsupported drafter layer type {t!r}")
             sliding = t == "sliding_attention"
             if sliding and not window:
-                raise ValueError("sliding_attention layers need a positive sliding_window")
+                raise ValueError(
+                    "sliding_attention layers need a positive sliding_window (and "
+                    "use_sliding_window not false)"
+                )
             causal.append(sliding if causal_override is None else bool(causal_override))
             windows.append(int(window) if sliding else None)
         softcap = value("final_logit_softcapping")

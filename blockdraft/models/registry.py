@@ -14,6 +14,7 @@ from blockdraft.models.dflash2_drafter import DFlash2Drafter
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 from blockdraft.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
 
 
@@ -30,6 +31,8 @@ ARCHITECTURES: dict[str, ModelArchitecture] = {
         ModelArchitecture("Qwen3ForCausalLM", DecoderLM, qwen3_config),
         ModelArchitecture("LlamaForCausalLM", DecoderLM, llama_config),
         ModelArchitecture("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM, qwen3_moe_config),
+        ModelArchitecture("Qwen3_5ForCausalLM", Qwen3_5LM, qwen3_5_config),
+        ModelArchitecture("Qwen3_5ForConditionalGeneration", Qwen3_5LM, qwen3_5_config),
     )
 }
 

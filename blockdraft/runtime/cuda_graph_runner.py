@@ -12,7 +12,12 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.kernels.forward_context import PAD_SLOT_ID, AttentionMetadata, forward_context
+from blockdraft.kernels.forward_context import (
+    PAD_SLOT_ID,
+    AttentionMetadata,
+    build_linear_metadata,
+    forward_context,
+)
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -48,6 +53,7 @@ class CUDAGraphRunner:
         block_size: int,
         device: torch.device,
         pool: object | None = None,
+        linear_state: bool = False,  # a hybrid target: its requests' state slots are inputs
     ) -> None:
         self.forward, self.query_len, self.block_size = forward, query_len, block_size
         self.batch_sizes = sorted(batch_sizes)
@@ -64,9 +70,17 @@ class CUDAGraphRunner:
         self.pad_positions = torch.arange(query_len, **i64).repeat(self.batch_sizes[-1])
         self.pool = pool
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | EagerGraph, object]] = {}
+        # Hybrid targets: each request's state slot and whether it starts fresh (padded
+        # requests use the spare last slot). A graph of one-row steps decodes, one of more
+        # rows verifies (its states are committed after it, outside the graph).
+        self.linear_state = linear_state
+        self.state_slots = torch.full((self.batch_sizes[-1],), -1, **i64)
+        self.fresh = torch.zeros(self.batch_sizes[-1], dtype=torch.bool, device=device)
 
     def _meta(self, batch: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        """The forward's metadata over the persistent buffers; built before a capture (the
+        linear layers' index tensors are copied from the host)."""
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[: batch * self.query_len],
             query_start_loc=self.query_start_loc[: batch + 1],
             seq_lens=self.seq_lens[:batch],
@@ -76,6 +90,12 @@ class CUDAGraphRunner:
             block_size=self.block_size,
             uniform_query_len=True,
         )
+        if self.linear_state:
+            q = self.query_len
+            meta.linear = build_linear_metadata(
+                self.state_slots[:batch], self.fresh[:batch], [q] * batch, [q > 1] * batch
+            )
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -87,9 +107,10 @@ class CUDAGraphRunner:
                 self.graphs[batch] = (twin, twin.out)
                 continue
             self._eager(batch, args)  # warm-up outside the graph (lazy init, autotuning)
+            meta = self._meta(batch)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool), forward_context(self._meta(batch)):
+            with torch.cuda.graph(graph, pool=self.pool), forward_context(meta):
                 out = self.forward(*args)
             if self.pool is None:
                 self.pool = graph.pool()
@@ -110,6 +131,7 @@ class CUDAGraphRunner:
         seq_lens: torch.Tensor,  # [R] int64 (host or device)
         block_tables: torch.Tensor,  # [R, <= max_blocks] int64 (host or device)
         device_ids: tuple[torch.Tensor, torch.Tensor] | None = None,  # rows [D], ids [D] int64
+        states: tuple[torch.Tensor, torch.Tensor] | None = None,  # slots [R] int64, fresh [R]
     ) -> object:
         """Inputs come from the host (the target's steps: one transfer each) or were built on
         the device (the drafter's, from the target step's results: copied there, with no
@@ -125,10 +147,15 @@ class CUDAGraphRunner:
         self.slot_mapping[:rows].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)
         self.block_tables[:num_seqs, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if states is not None:
+            self.state_slots[:num_seqs].copy_(states[0], non_blocking=True)
+            self.fresh[:num_seqs].copy_(states[1], non_blocking=True)
         if pad_rows > rows:  # padded requests: write to the PAD slot, see only their own rows
             self.slot_mapping[rows:pad_rows].fill_(PAD_SLOT_ID)
             self.seq_lens[num_seqs:batch].fill_(self.query_len)
             self.positions[rows:pad_rows].copy_(self.pad_positions[: pad_rows - rows])
+            self.state_slots[num_seqs:batch].fill_(-1)
+            self.fresh[num_seqs:batch].fill_(False)
         graph, out = self.graphs[batch]
         graph.replay()
         return out

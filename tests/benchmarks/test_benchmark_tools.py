@@ -303,3 +303,19 @@ def test_moe_step_reads_count_each_chosen_expert_once(rng) -> None:
     assert reads[2][1] == pytest.approx(82.4, abs=0.1)
     assert 6.0 < reads[2][3] < 7.0
     assert reads[0][2] == pytest.approx(6.08, abs=0.01)  # GB a decoded token reads
+
+
+def test_hybrid_shape_bytes_count_the_model_weights_and_states() -> None:
+    """qwen3.5-27b's decode bytes: its model's weights (less the gathered embedding) in bf16,
+    to within the norms, plus each linear layer's float32 state read and written."""
+    from benchmarks.shapes import SHAPES
+    from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
+
+    shape = SHAPES["qwen3.5-27b"]
+    cfg = qwen3_5_config(shape.config)
+    with torch.device("meta"):
+        model = Qwen3_5LM(cfg)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    state = sum(a.num_v_heads * a.k_head_dim * a.v_head_dim for a in model.linear_layers)
+    expected = 2 * params + 2 * 4 * state
+    assert abs(shape.bytes_per_token(shape.config) - expected) < 1e-4 * expected

@@ -331,3 +331,24 @@ def test_prefix_keys_registered_step_by_step_match_one_shot(py_rng: random.Rando
     assert manager.ensure_capacity(again, len(tokens))
     manager.register_computed_blocks(again)
     assert list(manager.cached) == list(incremental)
+
+
+def test_state_slots_come_and_go_with_blocks(py_rng: random.Random) -> None:
+    """Hybrid models: a request takes a state slot with its first blocks and gives it back
+    with them; when every slot is taken, capacity is refused and nothing is allocated."""
+    manager = BlockManager(num_blocks=32, block_size=4, enable_prefix_caching=False,
+                           num_state_slots=2)  # fmt: skip
+    a, b, c = (make_seq(random_tokens(py_rng, 6)) for _ in range(3))
+    assert manager.ensure_capacity(a, 6) and manager.ensure_capacity(b, 6)
+    assert {a.state_slot, b.state_slot} == {0, 1}
+    slot = a.state_slot
+    assert manager.ensure_capacity(a, 12) and a.state_slot == slot  # kept while growing
+    free_blocks = manager.num_free_blocks
+    assert not manager.ensure_capacity(c, 6)
+    assert c.state_slot is None and not c.block_table
+    assert manager.num_free_blocks == free_blocks
+    manager.free(a)
+    assert a.state_slot is None
+    assert manager.ensure_capacity(c, 6) and c.state_slot == slot
+    dense = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    assert dense.ensure_capacity(a, 6) and a.state_slot is None

@@ -49,6 +49,17 @@ def test_the_budget_sets_the_blocks_up_to_what_max_num_seqs_requests_use(rng) ->
     assert num_kv_blocks(fixed, attn, CPU, 64, 8) == 7
 
 
+def test_linear_attention_states_come_out_of_the_budget_first(rng) -> None:
+    """A hybrid model's state slots take their bytes from the budget before the blocks do; a
+    budget they leave too small for one request says so."""
+    attn = layers(rng, 2)
+    per_block = kv_bytes_per_block(attn, 16, torch.float32)
+    cfg = config(block_size=16, max_num_seqs=512, kv_cache_memory_gib=200 * per_block / 2**30)
+    assert num_kv_blocks(cfg, attn, CPU, 64, 8, state_bytes=50 * per_block) == 150
+    with pytest.raises(ValueError, match="linear-attention states take"):
+        num_kv_blocks(cfg, attn, CPU, 64, 8, state_bytes=198 * per_block)
+
+
 def test_a_pool_smaller_than_one_request_is_refused(rng) -> None:
     with pytest.raises(ValueError, match="raise num_kv_blocks to at least 5") as error:
         num_kv_blocks(config(block_size=16, num_kv_blocks=4), layers(rng, 2), CPU, 64, 8)

@@ -448,3 +448,11 @@ def _alive(pid: int) -> bool:
     # A zombie (exited, not yet reaped by its dead parent's reaper) counts as gone.
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_hybrid_targets_are_refused_under_tensor_parallelism(tmp_path) -> None:
+    from checkpoints import make_qwen3_5_checkpoint
+
+    target = make_qwen3_5_checkpoint(tmp_path / "hybrid", num_layers=2)
+    with pytest.raises(ValueError, match="Gated DeltaNet"):
+        LLM(str(target), tensor_parallel_size=2)

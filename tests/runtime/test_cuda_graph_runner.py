@@ -11,7 +11,7 @@ from blockdraft import LLM, SamplingParams
 from blockdraft.engine.model_runner import run_forward
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 
-from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
+from checkpoints import make_dflash_drafter, make_qwen3_5_checkpoint, make_qwen3_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,43 @@ def test_engine_output_unchanged_with_graph_twins(pair, rng, speculative: bool) 
         runner.run = lambda *a, _o=original, **k: calls.append(1) or _o(*a, **k)
     outs = graphed.generate(prompts, params, use_tqdm=False)
     assert calls, "no step went through the graph runners"
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["ar", "dflash"])
+def test_hybrid_engine_output_unchanged_with_graph_twins(tmp_path, rng, speculative) -> None:
+    """A hybrid target's decode and verify graphs take the requests' state slots as inputs
+    (a verify's states committed after the replay, by a graph of its own); prefill chunks stay
+    eager."""
+    target = make_qwen3_5_checkpoint(tmp_path / "target")
+    spec = None
+    if speculative:
+        drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=8)
+        spec = {
+            "method": "dflash",
+            "model": str(drafter),
+            "num_speculative_tokens": 5,
+            "num_speculative_tokens_by_batch": None,
+            "synthetic_acceptance_rate": 0.6,
+        }
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (1, 7, 12, 20, 5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(speculative_config=spec, max_model_len=64)
+    plain = LLM(str(target), **kw)
+    torch.manual_seed(0)  # synthetic acceptance draws from the global generator
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    graphed = LLM(str(target), **kw)
+    capture_twins(graphed, [1, 2, 4, 8])
+    runner = graphed.engine.runner
+    replays = {q: count_replays(r) for q, r in runner.graphs.items()}
+    commits = []
+    if speculative:
+        original = runner.commit_graphs.run
+        runner.commit_graphs.run = lambda s, n: commits.append(len(s)) or original(s, n)
+    torch.manual_seed(0)
+    outs = graphed.generate(prompts, params, use_tqdm=False)
+    assert replays[6 if speculative else 1], replays  # verify steps / decode steps
+    assert bool(commits) == speculative
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 

@@ -1,0 +1,167 @@
+"""Pure-torch kernels of Gated DeltaNet (the `linear_attention` layers of Qwen3.5 / Qwen3-Next):
+the causal depthwise convolution over a window that starts with the request's conv state, and
+the gated delta rule, as a recurrence (decode, verify, state commits) and in its chunked form
+(prefill).
+
+Per value head the rule keeps a float32 state S [k_dim, v_dim]; for each token
+`S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q` with q, k L2-normalised and q scaled
+by k_dim^-0.5. The recurrence runs over padded [B, T] batches with per-row lengths: steps past
+a row's length leave its state as it was, so one call advances requests by different numbers
+of tokens and a step's arithmetic never depends on its batch mates (a verify's state at any
+accepted length is bit for bit the one plain decoding reaches). The recurrence over the
+engine's state slots (`recurrent_gated_delta_rule_pool_torch`) has a Triton twin
+(`triton_gated_delta_rule`); the prefill's chunked form runs in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+# A multiple of the stride of torch's CPU vector loops (two 16-float AVX-512 vectors).
+_LANES = 64
+
+
+def lanewise(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,  # [..., D]
+) -> torch.Tensor:  # fn(x) [..., D]
+    """`fn(x)` with each row padded to whole vector strides, so that on the CPU every element
+    takes the SIMD path: torch rounds sigmoid, softplus and SiLU differently in its scalar
+    tail loop, which would make a row's result depend on the size of its batch."""
+    if x.device.type != "cpu":
+        return fn(x)
+    d = x.shape[-1]
+    return fn(F.pad(x, (0, (-d) % _LANES)))[..., :d]
+
+
+def causal_conv1d_torch(
+    window: torch.Tensor,  # [B, K - 1 + T, C]: the conv state (last K - 1 inputs), then T new
+    weight: torch.Tensor,  # [C, K] depthwise taps
+) -> torch.Tensor:  # [B, T, C] silu(conv) of the T new inputs, window's dtype
+    """Depthwise causal convolution with SiLU, as a sum over the K taps in a fixed order
+    (elementwise, so a row's output does not depend on the batch it runs in), accumulated in
+    float32 and rounded to the window's dtype before the SiLU, as a half-precision conv1d."""
+    k = weight.shape[1]
+    t = window.shape[1] - (k - 1)
+    x, w = window.float(), weight.float()
+    out = x[:, 0:t] * w[:, 0]
+    for j in range(1, k):
+        out = out + x[:, j : j + t] * w[:, j]
+    return lanewise(F.silu, out.to(window.dtype))
+
+
+def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., D] float32
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _prepare(
+    query: torch.Tensor,  # [B, T, Hk, Dk]
+    key: torch.Tensor,  # [B, T, Hk, Dk]
+    value: torch.Tensor,  # [B, T, Hv, Dv]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # float32 [B, T, Hv, D] each
+    """q and k L2-normalised in float32 (q also scaled by Dk^-0.5), each key head repeated for
+    the Hv / Hk consecutive value heads it serves."""
+    groups = value.shape[2] // key.shape[2]
+    q = l2norm_torch(query.float()) * query.shape[-1] ** -0.5
+    k = l2norm_torch(key.float())
+    if groups > 1:
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    return q, k, value.float()
+
+
+def recurrent_gated_delta_rule_torch(
+    query: torch.Tensor,  # [B, T, Hk, Dk]
+    key: torch.Tensor,  # [B, T, Hk, Dk]
+    value: torch.Tensor,  # [B, T, Hv, Dv]
+    g: torch.Tensor,  # [B, T, Hv] float32 log decay (<= 0)
+    beta: torch.Tensor,  # [B, T, Hv]
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32, the state before the first token
+    lengths: torch.Tensor | None = None,  # [B] int64 tokens to take per row; None: all T
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, T, Hv, Dv] value's dtype, state [B, Hv, Dk, Dv]
+    """The rule token by token; rows stop advancing their state at their length (their outputs
+    past it are computed from the held state and mean nothing)."""
+    q, k, v = _prepare(query, key, value)
+    decay, b = g.float().exp(), beta.float()
+    out = torch.empty_like(v)
+    for t in range(q.shape[1]):
+        s = state * decay[:, t, :, None, None]
+        kv_mem = (s * k[:, t, :, :, None]).sum(dim=-2)  # [B, Hv, Dv]
+        delta = (v[:, t] - kv_mem) * b[:, t, :, None]
+        s = s + k[:, t, :, :, None] * delta[:, :, None, :]
+        out[:, t] = (s * q[:, t, :, :, None]).sum(dim=-2)
+        if lengths is None:
+            state = s
+        else:
+            state = torch.where((t < lengths)[:, None, None, None], s, state)
+    return out.to(value.dtype), state
+
+
+def recurrent_gated_delta_rule_pool_torch(
+    query: torch.Tensor,  # [S, T, Hk, Dk]
+    key: torch.Tensor,  # [S, T, Hk, Dk]
+    value: torch.Tensor,  # [S, T, Hv, Dv]
+    g: torch.Tensor,  # [S, T, Hv] float32 log decay (<= 0)
+    beta: torch.Tensor,  # [S, T, Hv]
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32, per-request states
+    slots: torch.Tensor,  # [S] int64 each sequence's slot
+    fresh: torch.Tensor,  # [S] bool: start from a zero state (the slot is not read)
+    lengths: torch.Tensor,  # [S] int64 tokens each sequence takes
+    write: torch.Tensor,  # [S] bool: store the state it reaches in its slot
+) -> torch.Tensor:  # [S, T, Hv, Dv], value's dtype
+    """`recurrent_gated_delta_rule_torch` from and into the slots of a state pool: the decode
+    and verify step of the engine (the Triton kernel's specification)."""
+    state0 = torch.where(fresh[:, None, None, None], 0, state_pool[slots])
+    out, state = recurrent_gated_delta_rule_torch(query, key, value, g, beta, state0, lengths)
+    state_pool[slots] = torch.where(write[:, None, None, None], state, state_pool[slots])
+    return out
+
+
+def chunk_gated_delta_rule_torch(
+    query: torch.Tensor,  # [B, T, Hk, Dk]
+    key: torch.Tensor,  # [B, T, Hk, Dk]
+    value: torch.Tensor,  # [B, T, Hv, Dv]
+    g: torch.Tensor,  # [B, T, Hv] float32 log decay (<= 0)
+    beta: torch.Tensor,  # [B, T, Hv]
+    state: torch.Tensor,  # [B, Hv, Dk, Dv] float32, the state before the first token
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, T, Hv, Dv] value's dtype, state [B, Hv, Dk, Dv]
+    """The same rule over whole chunks (every row takes all T tokens): within a chunk the
+    delta-rule updates are one lower-triangular solve (the WY / UT transform), so a prefill
+    costs a few matmuls per chunk instead of T state updates."""
+    q, k, v = (x.transpose(1, 2) for x in _prepare(query, key, value))  # [B, Hv, T, D]
+    b, decay = beta.float().transpose(1, 2), g.float().transpose(1, 2)  # [B, Hv, T]
+    num_tokens = q.shape[2]
+    pad = (-num_tokens) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    b, decay = (F.pad(x, (0, pad)) for x in (b, decay))
+    chunks = (num_tokens + pad) // chunk_size
+
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:  # [B, Hv, T, ...] -> [B, Hv, n, C, ...]
+        return x.reshape(*x.shape[:2], chunks, chunk_size, *x.shape[3:])
+
+    q, k, v, b, decay = map(by_chunk, (q, k, v, b, decay))
+    cum = decay.cumsum(dim=-1)  # [B, Hv, n, C] log decay from the chunk start
+    future = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    pair_decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(future, float("-inf")).exp()
+    k_beta, v_beta = k * b[..., None], v * b[..., None]
+    # (I + A) u = v_beta with A the strictly lower part of (k_beta k^T) * pair_decay: the
+    # intra-chunk delta-rule corrections, solved at once.
+    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
+    )
+    intra = (q @ k.transpose(-1, -2)) * pair_decay  # causal scores inside the chunk
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, Hv, n, 1, 1]
+    out = torch.empty_like(v)
+    for i in range(chunks):
+        v_new = u[:, :, i] - w[:, :, i] @ state  # the values less what the state predicts
+        out[:, :, i] = q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :num_tokens]
+    return out.transpose(1, 2).to(value.dtype), state

@@ -1,0 +1,63 @@
+"""The full-attention layer of Qwen3.5 / Qwen3-Next (transformers' `Qwen3_5Attention`): q_proj
+gives each head's query and an output gate side by side, per-head q/k RMSNorm with offset
+weights, partial rotary, paged attention, and `o_proj(attn * sigmoid(gate))`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.linear import fuse_linears, linear
+from blockdraft.layers.norm import OffsetRMSNorm
+from blockdraft.layers.rotary import RotaryEmbedding
+
+
+class GatedSelfAttention(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        eps: float,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, 2 * num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_norm = OffsetRMSNorm(head_dim, eps)
+        self.k_norm = OffsetRMSNorm(head_dim, eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(num_heads, num_kv_heads, head_dim)
+        self._split = (2 * num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for q (with its gate), k and v instead of three."""
+        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        if self._qkv is None:
+            projections = (
+                linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
+            )
+        else:
+            projections = linear(x, *self._qkv).split(self._split, dim=-1)
+        q_gate, k, v = projections
+        q, gate = q_gate.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        kv_heads = (-1, self.num_kv_heads, self.head_dim)
+        k, v = k.reshape(kv_heads), v.reshape(kv_heads)
+        q = self.rotary.rotate(positions, self.q_norm(q))
+        k = self.rotary.rotate(positions, self.k_norm(k))
+        out = self.attn(q.contiguous(), k.contiguous(), v).flatten(1)
+        out = out * torch.sigmoid(gate.reshape(out.shape))
+        return linear(out, self.o_proj.weight, self.o_proj.bias)

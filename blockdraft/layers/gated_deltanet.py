@@ -1,0 +1,245 @@
+"""Gated DeltaNet, the `linear_attention` token mixer of Qwen3.5 (transformers'
+`Qwen3_5GatedDeltaNet`): projections to q/k/v (`in_proj_qkv`), the output gate z (`in_proj_z`),
+beta (`in_proj_b`) and the decay input a (`in_proj_a`); a causal depthwise conv (SiLU) over
+q/k/v; the gated delta rule with `beta = sigmoid(b)` and `g = -exp(A_log) softplus(a + dt_bias)`;
+a per-head RMSNorm gated by silu(z); `out_proj`. Parameter names are the checkpoint's.
+
+Each request's conv state (its last K - 1 conv inputs) and float32 recurrent state live in a
+slot of per-layer pools that the engine allocates beside the paged KV cache
+(`allocate_states`); the forward context says which slot each sequence uses
+(`LinearStateMetadata`). Prefill chunks run the chunked rule and write their slot; decode rows
+and verify blocks run the recurrence as one padded batch. A verify block only reads its slot
+and keeps its conv inputs and outputs, g and beta (`stash_*`): `commit_verified` then advances
+the slot over the accepted rows with the recurrence alone, so rejected rows leave no trace and
+the target never runs twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockdraft.kernels.forward_context import LinearStateMetadata, get_attention_metadata
+from blockdraft.kernels.gated_delta_rule import (
+    causal_conv1d_torch,
+    chunk_gated_delta_rule_torch,
+    lanewise,
+)
+from blockdraft.kernels.select import PerDevice, get_gated_delta_rule_backend
+from blockdraft.layers.linear import fuse_linears, linear
+
+
+class RMSNormGated(nn.Module):
+    """`weight * rms_norm(x) * silu(z)` per head (normalised in float32, rounded back to x's
+    dtype before the weight, gated in float32), as transformers' `Qwen3_5RMSNormGated`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [..., hidden]
+        gate: torch.Tensor,  # [..., hidden]
+    ) -> torch.Tensor:  # [..., hidden], x's dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * x32.to(x.dtype)
+        return (out * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads {num_v_heads} must be a multiple of "
+                f"linear_num_key_heads {num_k_heads}"
+            )
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
+        self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = conv_kernel
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = RMSNormGated(v_head_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        # Bound by `allocate_states`: slot pools, the last slot spare.
+        self.conv_state: torch.Tensor | None = None  # [num_slots, K - 1, conv_dim]
+        self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
+        # A verify block's inputs, kept for the commit: conv inputs, conv outputs, g and beta.
+        self.stash_qkv: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
+        self.stash_mixed: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
+        self.stash_gb: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv] float32
+        self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
+        self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
+
+    def fuse_projections(self) -> None:
+        """One GEMM for the four input projections (qkv, z, b, a) instead of four."""
+        self._in_proj = fuse_linears(
+            self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        )
+
+    def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
+        """Bytes of one slot: conv state and verify stash in `dtype` (g, beta in float32),
+        recurrent state in float32."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = (self.conv_kernel - 1) * self.conv_dim * elem
+        stash = max_verify_len * (2 * self.conv_dim * elem + 2 * self.num_v_heads * 4)
+        return conv + stash + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
+
+    def allocate_states(
+        self, num_slots: int, max_verify_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Zeroed pools for num_slots requests; verify blocks of up to max_verify_len rows (0:
+        no speculation, no stash)."""
+        hv, dk, dv = self.num_v_heads, self.k_head_dim, self.v_head_dim
+        self.conv_state = torch.zeros(
+            num_slots, self.conv_kernel - 1, self.conv_dim, dtype=dtype, device=device
+        )
+        self.recurrent_state = torch.zeros(num_slots, hv, dk, dv, device=device)
+        stash = (num_slots, max_verify_len)
+        self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
+        self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
+        self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden]
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        meta = get_attention_metadata().linear
+        if meta is None:
+            raise RuntimeError("a linear-attention layer needs LinearStateMetadata")
+        if self._in_proj is None:
+            qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
+            z = linear(x, self.in_proj_z.weight)  # [num_tokens, value_dim]
+            ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
+        else:
+            qkv, z, ba = linear(x, *self._in_proj).split(
+                (self.conv_dim, self.value_dim, 2 * self.num_v_heads), dim=-1
+            )
+        core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
+        z = z.reshape(core.shape)
+        return linear(self.norm(core, z).flatten(1), self.out_proj.weight)
+
+    def _mix(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, conv_dim] before the conv
+        ba: torch.Tensor,  # [num_tokens, 2 * Hv]: b then a
+        meta: LinearStateMetadata,
+    ) -> torch.Tensor:  # [num_tokens, Hv, Dv]
+        """Conv and delta rule of every sequence from its slot's state: each prefill chunk with
+        the chunked rule, decode rows and verify blocks as one padded recurrence."""
+        out = qkv.new_empty(qkv.shape[0], self.num_v_heads, self.v_head_dim)
+        for i, first, n in meta.prefill:
+            rows, seq = slice(first, first + n), slice(i, i + 1)
+            out[rows] = self._advance(
+                qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq]
+            )[0]
+        step = meta.step
+        if step is not None:
+            slots, fresh = meta.state_slots[step.seqs], meta.fresh[step.seqs]
+            x, b_a = qkv[step.rows], ba[step.rows]  # [S, W, ...]
+            core = self._advance(x, b_a, slots, fresh, step.lengths, step.write, step.verify)
+            out[step.out_dst] = core.flatten(0, 1)[step.out_src]
+        return out
+
+    def commit_verified(
+        self,
+        slots: torch.Tensor,  # [V] int64 slots of the verified sequences
+        lengths: torch.Tensor,  # [V] int64 rows to keep: the accepted drafts + the rows before
+    ) -> None:
+        """Advances each verified sequence's state over the first `lengths` rows of its last
+        verify block (its kept conv outputs, g and beta), as decoding them would have."""
+        width = self.stash_qkv.shape[1]
+        lengths = lengths.clamp(max=width)
+        fresh = torch.zeros_like(slots, dtype=torch.bool)
+        write = torch.ones_like(slots, dtype=torch.bool)
+        q, k, v = self._heads(self.stash_mixed[slots])
+        g, beta = self.stash_gb[slots].split(self.num_v_heads, dim=-1)
+        recurrence = self._recurrence(slots.device)
+        recurrence(q, k, v, g, beta, self.recurrent_state, slots, fresh, lengths, write)
+        conv_old = self.conv_state[slots]
+        self._store_conv(torch.cat((conv_old, self.stash_qkv[slots]), 1), conv_old, slots,
+                         lengths, write)  # fmt: skip
+
+    def _advance(
+        self,
+        x: torch.Tensor,  # [S, T, conv_dim] conv inputs
+        b_a: torch.Tensor,  # [S, T, 2 * Hv]
+        slots: torch.Tensor,  # [S] int64
+        fresh: torch.Tensor,  # [S] bool: start from zero states
+        lengths: torch.Tensor | None = None,  # [S] int64 rows each takes; None: all (chunked)
+        write: torch.Tensor | None = None,  # [S] bool: store the states reached; None: all
+        verify: torch.Tensor | None = None,  # [V] int64 rows (of S) whose inputs are kept
+    ) -> torch.Tensor:  # [S, T, Hv, Dv]
+        """Conv and delta rule of S sequences from their slots' states: the recurrence when
+        `lengths` are given, else the chunked rule over all T rows."""
+        keep = ~fresh[:, None, None]
+        # `where`, not a product: a slot's stale contents never reach a fresh sequence.
+        conv_old = self.conv_state[slots]
+        window = torch.cat((torch.where(keep, conv_old, 0), x.to(conv_old.dtype)), dim=1)
+        mixed = causal_conv1d_torch(window, self.conv1d.weight.view(self.conv_dim, -1))
+        mixed = mixed.to(x.dtype)  # [S, T, conv_dim]
+        b, a = b_a.split(self.num_v_heads, dim=-1)
+        beta = lanewise(torch.sigmoid, b)
+        g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
+        if verify is not None:  # verify blocks keep their inputs for the commit
+            v_slots, width = slots[verify], x.shape[1]
+            self.stash_qkv[v_slots, :width] = x[verify].to(self.stash_qkv.dtype)
+            self.stash_mixed[v_slots, :width] = mixed[verify].to(self.stash_mixed.dtype)
+            self.stash_gb[v_slots, :width] = torch.cat((g, beta.float()), -1)[verify]
+        q, k, v = self._heads(mixed)
+        pool = self.recurrent_state
+        if lengths is None:
+            state0 = torch.where(keep[..., None], pool[slots], 0)
+            core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
+            pool[slots] = state
+            self.conv_state[slots] = window[:, x.shape[1] :]
+            return core
+        recurrence = self._recurrence(x.device)
+        core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
+        self._store_conv(window, conv_old, slots, lengths, write)
+        return core
+
+    def _heads(
+        self,
+        mixed: torch.Tensor,  # [S, T, conv_dim] conv outputs
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k [S, T, Hk, Dk], v [S, T, Hv, Dv]
+        s, t = mixed.shape[:2]
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        heads = (s, t, self.num_k_heads, self.k_head_dim)
+        return q.reshape(heads), k.reshape(heads), v.reshape(s, t, self.num_v_heads, -1)
+
+    def _store_conv(
+        self,
+        window: torch.Tensor,  # [S, K - 1 + T, conv_dim] conv state, then the T inputs
+        conv_old: torch.Tensor,  # [S, K - 1, conv_dim] the slots' conv states
+        slots: torch.Tensor,  # [S] int64
+        lengths: torch.Tensor,  # [S] int64 inputs each sequence took
+        write: torch.Tensor,  # [S] bool
+    ) -> None:
+        """The conv state after each sequence's rows (the last K - 1 inputs of its window)
+        into the slots that `write`."""
+        idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=window.device)[None, :]
+        conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+        self.conv_state[slots] = torch.where(write[:, None, None], conv_new, conv_old)

@@ -1,0 +1,199 @@
+"""Qwen3.5 (dense): a hybrid decoder whose `layer_types` mix Gated DeltaNet (`linear_attention`)
+and gated full attention (`full_attention`, every fourth layer in the published models), each
+followed by a dense SwiGLU MLP, with offset-weight RMSNorms (`1 + weight`).
+
+`Qwen3_5ForCausalLM` checkpoints load as they are; `Qwen3_5ForConditionalGeneration` ones load
+their language model (`model.language_model.*`) and skip the vision tower and the MTP head.
+The linear-attention layers keep per-request states in slots beside the paged KV cache
+(`allocate_states`, `state_bytes`); after a verify the engine commits them at the accepted
+length (`commit_verified`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from blockdraft.layers.attention import PagedAttention
+from blockdraft.layers.gated_attention import GatedSelfAttention
+from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.layers.mlp import MLP
+from blockdraft.layers.norm import OffsetRMSNorm
+from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.models.llama import DecoderLM
+from blockdraft.models.model_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True, kw_only=True)  # after TransformerConfig's defaulted fields
+class HybridConfig(TransformerConfig):
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    partial_rotary_factor: float
+
+
+def qwen3_5_config(hf: dict) -> HybridConfig:
+    """`Qwen3_5ForCausalLM`'s config.json, or the `text_config` of a
+    `Qwen3_5ForConditionalGeneration` one."""
+    text = {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
+    base = TransformerConfig.from_hf(text, "qwen3_5", qk_norm=True)
+    num_layers = base.num_layers
+    interval = int(text.get("full_attention_interval", 4))
+    layer_types = text.get("layer_types") or [
+        "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(
+            f"config.json layer_types must list {num_layers} entries of {', '.join(LAYER_TYPES)}; "
+            f"got {layer_types!r}"
+        )
+    if text.get("attn_output_gate", True) is not True:
+        raise ValueError("config.json attn_output_gate must be true: Qwen3.5 gates its attention")
+    rope = text.get("rope_parameters") or {}
+    try:
+        return HybridConfig(
+            **{f: getattr(base, f) for f in base.__dataclass_fields__},
+            layer_types=tuple(layer_types),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+            ),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json has an invalid value: {e}") from None
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg: HybridConfig, layer_type: str, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                cfg.rms_norm_eps,
+            )
+        else:
+            self.self_attn = GatedSelfAttention(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                rotary,
+                cfg.rms_norm_eps,
+                bias=cfg.attention_bias,
+            )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden], the previous layer's MLP output (or the input)
+        positions: torch.Tensor,  # [num_tokens] int64
+        residual: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x is the stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
+        """Pre-norm block, its output left unsummed as in `llama.DecoderLayer`."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.layer_type == "linear_attention":
+            h = self.linear_attn(h)
+        else:
+            h = self.self_attn(h, positions)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class HybridDecoderModel(nn.Module):
+    def __init__(self, cfg: HybridConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            partial_rotary_factor=cfg.partial_rotary_factor,
+        )
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary) for t in cfg.layer_types)
+        self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3_5LM(DecoderLM):
+    """`DecoderLM` (forward with DFlash feature capture, logits) over hybrid layers."""
+
+    def __init__(self, cfg: HybridConfig) -> None:
+        nn.Module.__init__(self)  # DecoderLM's own builds Llama layers
+        self.cfg = cfg
+        self.model = HybridDecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.capture_layer_ids: tuple[int, ...] = ()
+        self.tp = None  # one process holds the whole model (check_tensor_parallel_shape)
+
+    @property
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if hasattr(layer, "linear_attn")]
+
+    def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
+        """Bytes of one request's state slot over all linear-attention layers."""
+        return sum(layer.state_bytes(dtype, max_verify_len) for layer in self.linear_layers)
+
+    def allocate_states(
+        self, num_slots: int, max_verify_len: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        for layer in self.linear_layers:
+            layer.allocate_states(num_slots, max_verify_len, dtype, device)
+
+    def commit_verified(
+        self,
+        slots: torch.Tensor,  # [V] int64
+        lengths: torch.Tensor,  # [V] int64 rows of each verify block to keep
+    ) -> None:
+        """Every linear-attention layer's state of the verified sequences, at the accepted
+        length (`GatedDeltaNet.commit_verified`)."""
+        for layer in self.linear_layers:
+            layer.commit_verified(slots, lengths)
+
+    @staticmethod
+    def checkpoint_tensors(
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A checkpoint's tensors under this model's names: the language model of a multimodal
+        checkpoint renamed, its vision tower and the MTP head (multi-token prediction, which
+        speculation here does not use) skipped."""
+        skipped = 0
+        for name, tensor in tensors:
+            if name.startswith(("model.visual.", "mtp.")):
+                skipped += 1
+                continue
+            yield name.replace("model.language_model.", "model.", 1), tensor
+        if skipped:
+            logger.info("skipped %d vision-tower / MTP tensors of the checkpoint", skipped)
