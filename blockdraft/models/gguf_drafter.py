@@ -16,10 +16,18 @@ Names, as llama.cpp writes and reads them (ggml-org/llama.cpp: `conversion/qwen.
   NeoX RoPE, so the converter does not permute them), `fc.weight`, `enc.output_norm.weight`
   (z-lab's `hidden_norm`), `output_norm.weight` (`norm`), and optionally `token_embd.weight`,
   `output.weight` and `d2t` (I64, a reduced draft vocabulary).
+- DFlash2 (a file with `selector_hidden.weight`, as `load_arch_tensors` detects it; PR
+  #27342): `dflash.conv_kernel_size`, `dflash.conv_group_size`, `dflash.selector_rank`,
+  `dflash.selector_top_k` (all required, as is `dflash.block_size`), per layer
+  `attn_conv_base` / `ffn_conv_base` (ne [hidden, kernel, 2]: z-lab's `base_kernel`
+  [2, kernel, hidden] as is, no `.weight` suffix) and `attn_conv_proj.weight` /
+  `ffn_conv_proj.weight`, and the selector's `selector_hidden.weight`,
+  `selector_predecessor.weight` and `selector_successor.weight` (ne [rank, vocab]: the
+  codebooks' rows).
 
 Variants llama.cpp loads under the same architecture but this engine does not run (DSpark's
-Markov head, DFlash2's convolutions and selector, attention sinks, DeepSeek-V4 backbones) are
-refused with a ValueError naming what the file holds.
+Markov head, attention sinks, DeepSeek-V4 backbones) are refused with a ValueError naming what
+the file holds.
 """
 
 from __future__ import annotations
@@ -72,6 +80,20 @@ LAYER_TENSORS: dict[str, str] = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 OPTIONAL_TENSORS = {"token_embd.weight", "output.weight", "d2t"}
+# DFlash2's, read only from a file with the selector (the tensor llama.cpp detects it by).
+DFLASH2_MARKER = "selector_hidden.weight"
+DFLASH2_GLOBAL_TENSORS: dict[str, str] = {
+    "selector_hidden.weight": "candidate_selector.hidden_projection.weight",
+    "selector_predecessor.weight": "candidate_selector.predecessor_codebook",
+    "selector_successor.weight": "candidate_selector.successor_codebook",
+}
+DFLASH2_LAYER_TENSORS: dict[str, str] = {
+    "attn_conv_base": "attention_conv.base_kernel",
+    "attn_conv_proj.weight": "attention_conv.kernel_projection.weight",
+    "ffn_conv_base": "mlp_conv.base_kernel",
+    "ffn_conv_proj.weight": "mlp_conv.kernel_projection.weight",
+}
+DFLASH2_METADATA = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 # What a tensor name (its last part) marks that this loader does not run; any other unknown
 # tensor is refused as well. Names: src/llama-arch.cpp and src/models/dflash.cpp.
@@ -80,13 +102,12 @@ UNSUPPORTED_TENSORS: dict[str, str] = {
     "markov_w1": "a DSpark Markov head",
     "markov_w2": "a DSpark Markov head",
     "conf_proj": "a DSpark confidence head",
-    "selector_hidden": "a DFlash2 candidate selector",
-    "selector_predecessor": "a DFlash2 candidate selector",
-    "selector_successor": "a DFlash2 candidate selector",
-    "attn_conv_base": "DFlash2 convolutions",
-    "attn_conv_proj": "DFlash2 convolutions",
-    "ffn_conv_base": "DFlash2 convolutions",
-    "ffn_conv_proj": "DFlash2 convolutions",
+    "selector_predecessor": f"a DFlash2 candidate selector without {DFLASH2_MARKER}",
+    "selector_successor": f"a DFlash2 candidate selector without {DFLASH2_MARKER}",
+    "attn_conv_base": f"DFlash2 convolutions without {DFLASH2_MARKER}",
+    "attn_conv_proj": f"DFlash2 convolutions without {DFLASH2_MARKER}",
+    "ffn_conv_base": f"DFlash2 convolutions without {DFLASH2_MARKER}",
+    "ffn_conv_proj": f"DFlash2 convolutions without {DFLASH2_MARKER}",
 }
 # Metadata of the same kind; each is refused when set to anything but its neutral value.
 UNSUPPORTED_METADATA: dict[str, tuple[object, str]] = {
@@ -105,12 +126,13 @@ def read_gguf_drafter(path: str) -> DrafterCheckpoint:
         tensors = _directory(tensor_list)
         hf_config = _build_config(metadata, tensors)
     num_layers = hf_config["num_hidden_layers"]
+    dflash2 = DFLASH2_MARKER in tensors
 
     def read_tensors() -> Iterator[tuple[str, torch.Tensor]]:
         with _mapped(path) as buf:
             _, tensor_list, data_start = read_header(buf)
             for info in tensor_list:
-                yield _zlab_name(info.name, num_layers), _read(buf, info, data_start)
+                yield _zlab_name(info.name, num_layers, dflash2), _read(buf, info, data_start)
 
     return DrafterCheckpoint(hf_config, read_tensors)
 
@@ -155,9 +177,10 @@ def _build_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> d
     for key, (neutral, what) in UNSUPPORTED_METADATA.items():
         if metadata.get(key, neutral) != neutral:
             raise UnsupportedError(f"metadata {key} = {metadata[key]!r}: {what} is not supported")
+    dflash2 = DFLASH2_MARKER in tensors
     for name in tensors:
         kind = name.removesuffix(".weight").removesuffix(".bias").rpartition(".")[2]
-        if kind in UNSUPPORTED_TENSORS:
+        if kind in UNSUPPORTED_TENSORS and not (dflash2 and _is_dflash2_tensor(name)):
             raise UnsupportedError(f"tensor {name!r}: {UNSUPPORTED_TENSORS[kind]} is not supported")
 
     def meta(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -214,7 +237,16 @@ def _build_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> d
         config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
     if "d2t" in tensors:
         config["draft_vocab_size"] = tensors["d2t"].ne[0]
+    if dflash2:
+        # llama.cpp refuses a DFlash2 draft that lacks any of these, block_size included.
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["block_size"] = meta("block_size", int)
+        config["dflash_config"].update({key: meta(key, int) for key in DFLASH2_METADATA})
     return config
+
+
+def _is_dflash2_tensor(name: str) -> bool:
+    return name in DFLASH2_GLOBAL_TENSORS or name.split(".", 2)[-1] in DFLASH2_LAYER_TENSORS
 
 
 def _vocab_size(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> int:
@@ -247,12 +279,14 @@ def _target_layer_ids(target_layers: list) -> list[int]:
     return [i - 1 for i in target_layers]
 
 
-def _zlab_name(name: str, num_layers: int) -> str:
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+def _zlab_name(name: str, num_layers: int, dflash2: bool) -> str:
+    global_tensors = GLOBAL_TENSORS | (DFLASH2_GLOBAL_TENSORS if dflash2 else {})
+    layer_tensors = LAYER_TENSORS | (DFLASH2_LAYER_TENSORS if dflash2 else {})
+    if name in global_tensors:
+        return global_tensors[name]
     prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
-    if prefix == "blk" and layer.isdigit() and int(layer) < num_layers and rest in LAYER_TENSORS:
-        return f"layers.{layer}.{LAYER_TENSORS[rest]}"
+    if prefix == "blk" and layer.isdigit() and int(layer) < num_layers and rest in layer_tensors:
+        return f"layers.{layer}.{layer_tensors[rest]}"
     raise UnsupportedError(f"tensor {name!r} is not part of a DFlash drafter")
 
 

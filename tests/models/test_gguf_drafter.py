@@ -1,6 +1,6 @@
 """llama.cpp DFlash drafter GGUFs: a drafter written with the `gguf` package under llama.cpp's
 names (conversion/qwen.py `DFlashModel`, src/models/dflash.cpp) loads back as the z-lab (or
-speculators) drafter it came from, and runs beside a GGUF target."""
+speculators, or DFlash2) drafter it came from, and runs beside a GGUF target."""
 
 import dataclasses
 import json
@@ -19,6 +19,7 @@ from checkpoints import (
     make_qwen3_checkpoint,
     make_speculators_drafter,
 )
+from dflash2_checkpoints import make_dflash2_drafter
 
 # z-lab name -> llama.cpp name, written out independently of the loader's table.
 GLOBAL = {
@@ -27,6 +28,10 @@ GLOBAL = {
     "norm.weight": "output_norm.weight",
     "embed_tokens.weight": "token_embd.weight",
     "lm_head.weight": "output.weight",
+    # DFlash2 (src/models/dflash.cpp); z-lab's safetensors store the codebooks bare.
+    "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+    "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+    "candidate_selector.successor_codebook": "selector_successor.weight",
 }
 LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -40,7 +45,12 @@ LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "attention_conv.base_kernel": "attn_conv_base",
+    "attention_conv.kernel_projection.weight": "attn_conv_proj.weight",
+    "mlp_conv.base_kernel": "ffn_conv_base",
+    "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight",
 }
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def _llama_cpp_name(name: str) -> str:
@@ -73,7 +83,8 @@ def write_drafter_gguf(
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_array("dflash.target_layers", [i + 1 for i in dflash["target_layer_ids"]])
     w.add_uint32("dflash.target_hidden_size", cfg["hidden_size"])
-    w.add_uint32("dflash.block_size", cfg["block_size"])
+    if "block_size" in cfg:
+        w.add_uint32("dflash.block_size", cfg["block_size"])
     if cfg.get("sliding_window"):
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
@@ -81,6 +92,9 @@ def write_drafter_gguf(
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"w{i}" for i in range(cfg["vocab_size"])])
     w.add_mask_token_id(dflash["mask_token_id"])
+    for key in DFLASH2_KEYS:
+        if key in dflash:
+            w.add_uint32(f"dflash.{key}", dflash[key])
     for key, value in (extra or {}).items():
         w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     for name, tensor in load_file(drafter_dir / "model.safetensors").items():
@@ -139,13 +153,16 @@ def spec(drafter: Path) -> dict:
 
 
 def run(target: Path, drafter: Path, prompt: list[int]):
-    """(drafter, its first proposal's logits, greedy output) of a speculative run."""
+    """(drafter, its first proposal's logits, greedy output, the LLM, its first draft tokens) of
+    a speculative run."""
     llm = LLM(str(target), speculative_config=spec(drafter))
-    d, seen = llm.engine.proposer.drafter, []
-    original = d.compute_logits
+    d, seen, drafts = llm.engine.proposer.drafter, [], []
+    original, propose = d.compute_logits, llm.engine.proposer.propose
     d.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    llm.engine.proposer.propose = lambda *a, **k: drafts.append(propose(*a, **k)) or drafts[-1]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    return d, seen[0] if seen else None, llm.generate([prompt], params, use_tqdm=False)[0], llm
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    return d, seen[0] if seen else None, out, llm, drafts[0][0] if drafts else None
 
 
 @pytest.mark.parametrize("source", ["zlab", "spec"])
@@ -153,8 +170,8 @@ def test_round_trip_proposes_as_the_source(files, source: str, rng) -> None:
     """Same weights, config (target_layers - 1 are z-lab's ids, sliding layers) and reduced
     vocabulary, so the same proposals, tokens and acceptance lengths."""
     prompt = torch.randint(4, 128, (13,), generator=rng).tolist()
-    ours, ours_logits, ours_out, _ = run(files["target"], files[f"{source}.gguf"], prompt)
-    ref, ref_logits, ref_out, _ = run(files["target"], files[source], prompt)
+    ours, ours_logits, ours_out, _, _ = run(files["target"], files[f"{source}.gguf"], prompt)
+    ref, ref_logits, ref_out, _, _ = run(files["target"], files[source], prompt)
     # GGUF stores rms_norm_eps as float32; it lists the target layers, not their count.
     assert abs(ours.cfg.body.rms_norm_eps - ref.cfg.body.rms_norm_eps) < 1e-12
     body = dataclasses.replace(ours.cfg.body, rms_norm_eps=ref.cfg.body.rms_norm_eps)
@@ -211,12 +228,57 @@ def test_beside_a_gguf_target(files, rng) -> None:
     prompt = torch.randint(4, 128, (9,), generator=rng).tolist()
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ar = LLM(str(path)).generate([prompt], params, use_tqdm=False)[0]
-    _, _, sd, llm = run(path, files["zlab.gguf"], prompt)
+    _, _, sd, llm, _ = run(path, files["zlab.gguf"], prompt)
     assert sd.outputs[0].token_ids == ar.outputs[0].token_ids
     assert llm.engine.spec_stats.num_drafts > 0
-    _, _, ref, _ = run(files["target"], files["zlab"], prompt)
+    _, _, ref, _, _ = run(files["target"], files["zlab"], prompt)
     assert sd.outputs[0].token_ids == ref.outputs[0].token_ids
     assert sd.spec_accept_lengths == ref.spec_accept_lengths
+
+
+@pytest.fixture(scope="module")
+def dflash2(files) -> dict:
+    root = files["root"]
+    drafter = make_dflash2_drafter(
+        root / "dflash2", files["target"], num_layers=3, block_size=8, sliding_window=5, seed=7
+    )
+    cfg = json.loads((drafter / "config.json").read_text())
+    gguf_path = write_drafter_gguf(root / "dflash2.gguf", drafter, cfg)
+    return {"drafter": drafter, "gguf": gguf_path, "config": cfg}
+
+
+def test_dflash2_round_trip_proposes_as_the_source(files, dflash2, rng) -> None:
+    """A DFlash2 drafter (convolutions, candidate selector) under llama.cpp's names and keys:
+    z-lab's config and tensors back, so the same first logits and selector drafts, tokens and
+    acceptance lengths as the safetensors drafter."""
+    from blockdraft.models.dflash2_drafter import DFlash2Drafter
+
+    prompt = torch.randint(4, 128, (13,), generator=rng).tolist()
+    ours, ours_logits, ours_out, _, ours_drafts = run(files["target"], dflash2["gguf"], prompt)
+    ref, ref_logits, ref_out, _, ref_drafts = run(files["target"], dflash2["drafter"], prompt)
+    assert isinstance(ours, DFlash2Drafter)
+    body = dataclasses.replace(ours.cfg.body, rms_norm_eps=ref.cfg.body.rms_norm_eps)
+    layers = ref.cfg.num_target_layers
+    assert dataclasses.replace(ours.cfg, body=body, num_target_layers=layers) == ref.cfg
+    ours_state, ref_state = ours.state_dict(), ref.state_dict()
+    assert ours_state.keys() == ref_state.keys()
+    for name, tensor in ours_state.items():
+        assert torch.equal(tensor, ref_state[name]), name
+    torch.testing.assert_close(ours_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours_drafts, ref_drafts)
+    assert ours_out.outputs[0].token_ids == ref_out.outputs[0].token_ids
+    assert ours_out.spec_accept_lengths == ref_out.spec_accept_lengths
+
+
+@pytest.mark.parametrize("key", [*DFLASH2_KEYS, "block_size"])
+def test_dflash2_metadata_is_required(dflash2, tmp_path: Path, key: str) -> None:
+    from blockdraft.models.gguf_drafter import read_gguf_drafter
+
+    cfg = json.loads(json.dumps(dflash2["config"]))
+    del (cfg if key == "block_size" else cfg["dflash_config"])[key]
+    path = write_drafter_gguf(tmp_path / "bad.gguf", dflash2["drafter"], cfg)
+    with pytest.raises(ValueError, match=f"'dflash.{key}' is missing"):
+        read_gguf_drafter(str(path))
 
 
 @pytest.mark.parametrize(
@@ -238,8 +300,8 @@ def test_unsupported_variants_are_named(files, tmp_path: Path, extra, message) -
     "name, message",
     [
         ("blk.0.attn_sinks.weight", "attention sinks"),
-        ("selector_hidden.weight", "DFlash2 candidate selector"),
-        ("blk.1.attn_conv_base", "DFlash2 convolutions"),
+        ("selector_successor.weight", "DFlash2 candidate selector without selector_hidden"),
+        ("blk.1.attn_conv_base", "DFlash2 convolutions without selector_hidden"),
         ("markov_w1.weight", "DSpark Markov head"),
         ("blk.0.attn_qkv.weight", "not part of a DFlash drafter"),
     ],
