@@ -115,7 +115,11 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
         self.capture_time_s = self.warmup_time_s = 0.0
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if hybrid and self.device.type == "cuda" and not config.enforce_eager:
+            # Replaying a hybrid target's captured step crashes the process on the H200 (a
+            # segfault in the first warm-up replay); eager steps run until that is found.
+            logger.info("CUDA graphs are off for hybrid (linear-attention) models")
+        elif self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
         if self.device.type == "cuda":  # Triton compiles now rather than mid-serving
             self.warm_up()
