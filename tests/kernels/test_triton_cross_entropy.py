@@ -164,6 +164,8 @@ class FakeDrafter:
     """What block_loss reads of a drafter: its config, LM head and `compute_logits`."""
 
     compute_logits = DFlashDrafter.compute_logits
+    tp = None  # one process
+    draft_token_ids = None  # the full vocabulary
 
     def __init__(self, weight: torch.Tensor, **cfg: float | None) -> None:
         self.cfg = _Cfg(**cfg)
