@@ -137,3 +137,42 @@ def random_params(gen: torch.Generator, r: int) -> dict[str, list]:
 
 def strip_hints(st: SamplingTensors) -> SamplingTensors:
     return SamplingTensors(st.temperature, st.top_k, st.top_p, st.min_p, st.seed, st.position)
+
+
+def seeded_samples(
+    llm: object, prompt: list[int], num: int, top_k: int, max_tokens: int = 3
+) -> list[list[int]]:
+    """The tokens of `num` requests for `prompt` at T = 1 (top_k), seeded 0..num-1: for
+    comparing the law of speculative decoding's tokens with plain decoding's."""
+    from blockdraft import SamplingParams
+
+    params = [
+        SamplingParams(temperature=1.0, top_k=top_k, max_tokens=max_tokens, ignore_eos=True, seed=s)
+        for s in range(num)
+    ]
+    outs = llm.generate([prompt] * num, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def two_sample_pvalue(a: list[int], b: list[int]) -> float:
+    """Chi-square test that two samples of small integers share one law (bins with fewer than
+    5 draws in both samples together are pooled)."""
+    from scipy.stats import chi2_contingency
+
+    values = sorted(set(a) | set(b))
+    table = [[a.count(v) for v in values], [b.count(v) for v in values]]
+    big = [i for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
+    small = [i for i in range(len(values)) if i not in big]
+    table = [[row[i] for i in big] + [sum(row[i] for i in small)] for row in table]
+    table = [row if small else row[:-1] for row in table]
+    return chi2_contingency(table).pvalue
+
+
+def assert_same_token_law(
+    plain: list[list[int]], speculative: list[list[int]], positions: tuple[int, ...]
+) -> None:
+    """At each position, the tokens of the two runs (seeded_samples) share one law."""
+    for position in positions:
+        a = [tokens[position] for tokens in plain]
+        s = [tokens[position] for tokens in speculative]
+        assert two_sample_pvalue(a, s) > 1e-3, (position, sorted(set(a)), sorted(set(s)))

@@ -11,6 +11,7 @@ from blockdraft import LLM, SamplingParams
 
 from checkpoints import make_predictable_target, make_qwen3_checkpoint, zlab_full_block_steps
 from dflash2_checkpoints import make_dflash2_drafter, zlab2_first_step, zlab2_generate
+from sampling_checks import assert_same_token_law, seeded_samples, two_sample_pvalue
 
 
 def spec(drafter: Path, n: int) -> dict:
@@ -123,41 +124,19 @@ def test_greedy_batch_lossless(agreeing_pair, random_pair, kind: str, rng) -> No
         assert llm.engine.spec_stats.mean_acceptance_length > 3
 
 
-def two_sample_pvalue(a: list[int], b: list[int]) -> float:
-    """Chi-square test that two samples of small integers share one law (bins with fewer than
-    5 draws in both samples together are pooled)."""
-    from scipy.stats import chi2_contingency
-
-    values = sorted(set(a) | set(b))
-    table = [[a.count(v) for v in values], [b.count(v) for v in values]]
-    big = [i for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
-    small = [i for i in range(len(values)) if i not in big]
-    table = [[row[i] for i in big] + [sum(row[i] for i in small)] for row in table]
-    table = [row if small else row[:-1] for row in table]
-    return chi2_contingency(table).pvalue
-
-
 @pytest.mark.slow
 def test_sampling_is_lossless(random_pair) -> None:
     """Thousands of seeded samples of the first tokens agree between speculative and plain
     decoding (the second and third tokens come from the verify of the selector's drafts)."""
     target, drafter = random_pair
-    prompt = [5, 17, 33, 8]
-    num = 3000
-    params = [
-        SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s)
-        for s in range(num)
-    ]
+    prompt, num = [5, 17, 33, 8], 3000
     kw = dict(max_num_seqs=512, max_model_len=32)
-    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6)
     llm = LLM(str(target), speculative_config=spec(drafter, 3), **kw)
-    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    sd = seeded_samples(llm, prompt, num, top_k=6)
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    for position in (1, 2):
-        a = [o.outputs[0].token_ids[position] for o in ar]
-        s = [o.outputs[0].token_ids[position] for o in sd]
-        assert two_sample_pvalue(a, s) > 1e-3, position
+    assert_same_token_law(ar, sd, (1, 2))
 
 
 @pytest.mark.slow

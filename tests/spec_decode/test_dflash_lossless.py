@@ -16,6 +16,7 @@ from checkpoints import (
     zlab_full_block_steps,
     zlab_generate,
 )
+from sampling_checks import assert_same_token_law, seeded_samples
 
 PROMPT_LENGTHS = [1, 4, 9, 16, 23, 40]
 
@@ -213,30 +214,14 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
 def test_sampling_is_lossless(random_pair) -> None:
     """Thousands of seeded samples of the first tokens agree between speculative and plain
     decoding (two-sample chi-square on the second and third tokens, which come from verify)."""
-    from scipy.stats import chi2_contingency
-
     target, drafter = random_pair
-    prompt = [5, 17, 33, 8]
-    num = 3000
-    params = [
-        SamplingParams(temperature=1.0, top_k=6, max_tokens=3, ignore_eos=True, seed=s)
-        for s in range(num)
-    ]
+    prompt, num = [5, 17, 33, 8], 3000
     kw = dict(max_num_seqs=512, max_model_len=32)
-    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6)
     llm = LLM(str(target), speculative_config=spec(drafter, 3), **kw)
-    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    sd = seeded_samples(llm, prompt, num, top_k=6)
     assert llm.engine.spec_stats.num_drafts > 0
-    for position in (1, 2):
-        a = [o.outputs[0].token_ids[position] for o in ar]
-        s = [o.outputs[0].token_ids[position] for o in sd]
-        values = sorted(set(a) | set(s))
-        table = [[a.count(v) for v in values], [s.count(v) for v in values]]
-        table = [
-            [row[i] for i in range(len(values)) if table[0][i] + table[1][i] >= 5] for row in table
-        ]
-        p_value = chi2_contingency(table).pvalue
-        assert p_value > 1e-3, (position, table)
+    assert_same_token_law(ar, sd, (1, 2))
 
 
 def test_dummy_weights_and_synthetic_acceptance(tmp_path: Path, monkeypatch) -> None:

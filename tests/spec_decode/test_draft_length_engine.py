@@ -14,6 +14,8 @@ import torch
 from blockdraft import LLM, SamplingParams
 from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS
 
+from sampling_checks import assert_same_token_law, seeded_samples
+
 NUM_SPEC = 7
 
 
@@ -81,29 +83,15 @@ def test_greedy_lossless_with_random_n_each_step(pairs, kind: str, setup: str, r
 def test_sampling_is_lossless_with_random_n_each_step(pairs, rng) -> None:
     """Seeded samples of the first tokens agree between plain decoding and speculation whose N
     changes every step (two-sample chi-square on the tokens that come from verifies)."""
-    from scipy.stats import chi2_contingency
-
     target, drafter = pairs["random"]
-    prompt = [5, 17, 33, 8]
-    num = 2000
-    params = [
-        SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=s)
-        for s in range(num)
-    ]
+    prompt, num = [5, 17, 33, 8], 2000
     kw = dict(max_num_seqs=512, max_model_len=32)
-    ar = LLM(str(target), **kw).generate([prompt] * num, params, use_tqdm=False)
+    ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6, max_tokens=4)
     llm = auto_llm(drafter, target, **kw)
     picks = choose_randomly(llm, rng)
-    sd = llm.generate([prompt] * num, params, use_tqdm=False)
+    sd = seeded_samples(llm, prompt, num, top_k=6, max_tokens=4)
     assert len(set(picks)) > 2 and llm.engine.spec_stats.num_drafts > 0
-    for position in (1, 2, 3):
-        a = [o.outputs[0].token_ids[position] for o in ar]
-        s = [o.outputs[0].token_ids[position] for o in sd]
-        values = sorted(set(a) | set(s))
-        table = [[a.count(v) for v in values], [s.count(v) for v in values]]
-        kept = [i for i in range(len(values)) if table[0][i] + table[1][i] >= 5]
-        table = [[row[i] for i in kept] for row in table]
-        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+    assert_same_token_law(ar, sd, (1, 2, 3))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
