@@ -295,7 +295,8 @@ def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None
 def test_moe_step_reads_count_each_chosen_expert_once(rng) -> None:
     """The expected distinct experts of a k-row step under uniform routing agree with a
     simulation of it, and gpu_bench's table of the 30B-A3B shape reads 8 experts per layer at
-    decode, ~82 at a 16-row verify (6.5x the decode's bytes)."""
+    decode, ~82 at a 16-row verify (6.5x the decode's bytes); the 35B-A3B hybrid's reads ~6 GB
+    at decode (3B active parameters), ~5x that at a 16-row verify."""
     from benchmarks.gpu_bench import moe_step_reads
     from benchmarks.shapes import QWEN3_CODER_30B_A3B, SHAPES, expected_distinct_experts
 
