@@ -1,7 +1,7 @@
 """DFlash on hybrid MoE targets (Qwen3.5-MoE, Qwen3-Next): the first drafts equal z-lab's on
-transformers' model; greedy speculative decoding gives
-plain decoding's tokens, with verify blocks routed through the experts and the linear-attention
-states committed at the accepted length (synthetic acceptance keeps random prefixes)."""
+transformers' model; greedy speculative decoding gives plain decoding's tokens, with verify
+blocks routed through the experts and the linear-attention states committed at the accepted
+length (synthetic acceptance keeps random prefixes)."""
 
 from __future__ import annotations
 
