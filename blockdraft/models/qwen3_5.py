@@ -1,6 +1,7 @@
 """Qwen3.5 (dense): a hybrid decoder whose `layer_types` mix Gated DeltaNet (`linear_attention`)
 and gated full attention (`full_attention`, every fourth layer in the published models), each
-followed by a dense SwiGLU MLP, with offset-weight RMSNorms (`1 + weight`).
+followed by a dense SwiGLU MLP, with offset-weight RMSNorms (`1 + weight`). The MoE families
+(`qwen3_5_moe.py`, `qwen3_next.py`) build the same model with their own MLP per layer.
 
 `Qwen3_5ForCausalLM` checkpoints load as they are; `Qwen3_5ForConditionalGeneration` ones load
 their language model (`model.language_model.*`) and skip the vision tower and the MTP head.
