@@ -9,6 +9,8 @@ Every builder writes float32 weights on CPU and runs well under a second:
   ``save_pretrained`` writes them, or stacked).
 * ``make_qwen3_5_checkpoint``: a random hybrid ``Qwen3_5ForCausalLM`` (Gated DeltaNet and
   gated full-attention layers).
+* ``make_hybrid_moe_checkpoint``: a random hybrid MoE target, ``Qwen3_5MoeForCausalLM`` or
+  ``Qwen3NextForCausalLM`` (routed experts and a gated shared expert).
 * ``make_predictable_target``: a target whose greedy continuation is a fixed token cycle
   (``predictable_next_token``), the partner of an agreeing drafter.
 * ``make_dflash_drafter``: a z-lab format DFlash drafter (``DFlashDraftModel``) for a target;
