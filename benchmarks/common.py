@@ -117,7 +117,8 @@ def write_dummy_drafter(
     cfg = {
         "architectures": ["DFlashDraftModel"],
         "hidden_size": target_hf["hidden_size"],
-        "intermediate_size": target_hf["intermediate_size"],
+        # An all-MoE target (Qwen3.5-MoE) has no dense MLP width: 3x hidden stands in.
+        "intermediate_size": target_hf.get("intermediate_size") or 3 * target_hf["hidden_size"],
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": target_hf.get("num_key_value_heads", heads),

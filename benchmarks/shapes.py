@@ -35,46 +35,61 @@ def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> 
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
 
 
-def moe_bytes_per_step(cfg: dict, num_tokens: int) -> int:
-    """bf16 weight bytes a Qwen3-MoE forward of `num_tokens` tokens of one request reads when
-    each expert it routes to is read once: every layer's attention, sparse layers' router and
-    the distinct experts chosen (`expected_distinct_experts`; rounded down to whole bytes),
-    dense layers' MLP, and the LM head."""
-    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-    sparse = sum((i + 1) % step == 0 and i not in only for i in range(layers))
-    experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
-    expert = 3 * h * cfg["moe_intermediate_size"]
-    routed = experts * h + expected_distinct_experts(experts, top_k, num_tokens) * expert
-    dense_mlp = 3 * h * cfg["intermediate_size"]
-    params = layers * _attention_params(cfg) + sparse * routed + (layers - sparse) * dense_mlp
-    return int(2 * (params + cfg["vocab_size"] * h))
-
-
-def moe_bytes_per_token(cfg: dict) -> int:
-    """What one batch-1 decoded token reads: attention, router, its top-k experts, LM head."""
-    return moe_bytes_per_step(cfg, 1)
-
-
-def hybrid_bytes_per_token(cfg: dict) -> int:
-    """`dense_bytes_per_token` for a hybrid (Qwen3.5) decoder: full-attention layers with the
-    query's output gate, Gated DeltaNet layers' projections and conv taps, and their float32
-    recurrent states, each read and written once per decoded token."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+def mixer_bytes(cfg: dict) -> int:
+    """bf16 bytes of every layer's token mixer one step reads: attention's projections, or for
+    a hybrid (Qwen3.5, `layer_types`) its full-attention layers with the query's output gate and
+    its Gated DeltaNet layers' projections and conv taps, plus their float32 recurrent states,
+    each read and written once."""
+    layer_types = cfg.get("layer_types") or ()
+    if "linear_attention" not in layer_types:
+        return 2 * cfg["num_hidden_layers"] * _attention_params(cfg)
+    h = cfg["hidden_size"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     key = cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"]
     heads_v = cfg["linear_num_value_heads"]
     value = heads_v * cfg["linear_value_head_dim"]
     conv = 2 * key + value
-    mlp = 3 * h * inter
-    full = h * (2 * q + 2 * kv) + q * h + mlp
+    full = h * (2 * q + 2 * kv) + q * h
     linear = h * (conv + value + 2 * heads_v) + value * h + conv * cfg["linear_conv_kernel_dim"]
     state = heads_v * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"] * 4 * 2
-    num_full = cfg["layer_types"].count("full_attention")
-    num_linear = len(cfg["layer_types"]) - num_full
-    weights = num_full * full + num_linear * (linear + mlp) + cfg["vocab_size"] * h
-    return 2 * weights + num_linear * state
+    num_full = layer_types.count("full_attention")
+    num_linear = len(layer_types) - num_full
+    return 2 * (num_full * full + num_linear * linear) + num_linear * state
+
+
+def moe_bytes_per_step(cfg: dict, num_tokens: int) -> int:
+    """bf16 weight bytes an MoE forward of `num_tokens` tokens of one request reads when each
+    expert it routes to is read once: every layer's mixer (`mixer_bytes`), sparse layers'
+    router, the distinct experts chosen (`expected_distinct_experts`; rounded down to whole
+    bytes) and the gated shared expert where there is one (Qwen3.5-MoE), dense layers' MLP,
+    and the LM head."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    step, only = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    sparse = sum((i + 1) % step == 0 and i not in only for i in range(layers))
+    experts, top_k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    expert = 3 * h * cfg["moe_intermediate_size"]
+    routed = experts * h + expected_distinct_experts(experts, top_k, num_tokens) * expert
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if shared:
+        routed += 3 * h * shared + h  # the shared expert and its gate
+    dense_mlp = 3 * h * cfg.get("intermediate_size", 0)
+    params = sparse * routed + (layers - sparse) * dense_mlp
+    return mixer_bytes(cfg) + int(2 * (params + cfg["vocab_size"] * h))
+
+
+def moe_bytes_per_token(cfg: dict) -> int:
+    """What one batch-1 decoded token reads: mixers, router, its top-k experts (and the shared
+    one), LM head."""
+    return moe_bytes_per_step(cfg, 1)
+
+
+def hybrid_bytes_per_token(cfg: dict) -> int:
+    """`dense_bytes_per_token` for a hybrid (Qwen3.5) decoder: its mixers (`mixer_bytes`: gated
+    full attention, Gated DeltaNet and its states), every layer's dense MLP and the LM head."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    weights = layers * 3 * h * cfg["intermediate_size"] + cfg["vocab_size"] * h
+    return mixer_bytes(cfg) + 2 * weights
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,41 @@ QWEN3_5_27B = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen/Qwen3.5-35B-A3B's language model (Qwen3.6-35B-A3B shares the shape): the hybrid layers
+# (every fourth full attention), each with 256 routed experts (top 8) and a gated shared expert.
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 248320,
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": [
+        "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)
+    ],
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+    },
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "torch_dtype": "bfloat16",
+}
+
 SHAPES: dict[str, BenchShape] = {
     shape.name: shape
     for shape in (
@@ -180,5 +230,7 @@ SHAPES: dict[str, BenchShape] = {
         # target's embedding and head).
         BenchShape("qwen3-30b-a3b", QWEN3_CODER_30B_A3B, moe_bytes_per_token, drafter_layers=8),
         BenchShape("qwen3.5-27b", QWEN3_5_27B, hybrid_bytes_per_token),
+        # z-lab/Qwen3.5-35B-A3B-DFlash weighs ~0.9 GB in bf16: about 8 layers at this width.
+        BenchShape("qwen3.5-35b-a3b", QWEN3_5_35B_A3B, moe_bytes_per_token, drafter_layers=8),
     )
 }

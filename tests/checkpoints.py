@@ -9,6 +9,8 @@ Every builder writes float32 weights on CPU and runs well under a second:
   ``save_pretrained`` writes them, or stacked).
 * ``make_qwen3_5_checkpoint``: a random hybrid ``Qwen3_5ForCausalLM`` (Gated DeltaNet and
   gated full-attention layers).
+* ``make_hybrid_moe_checkpoint``: a random hybrid MoE target, ``Qwen3_5MoeForCausalLM`` or
+  ``Qwen3NextForCausalLM`` (routed experts and a gated shared expert).
 * ``make_predictable_target``: a target whose greedy continuation is a fixed token cycle
   (``predictable_next_token``), the partner of an agreeing drafter.
 * ``make_dflash_drafter``: a z-lab format DFlash drafter (``DFlashDraftModel``) for a target;
@@ -44,11 +46,15 @@ from transformers import (
     LlamaForCausalLM,
     PreTrainedModel,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 if TYPE_CHECKING:
@@ -477,19 +483,29 @@ def _qwen3_5_model(
     linear_heads: tuple[int, int] = (2, 4),
     linear_head_dim: int = 8,
     randomize_norms: bool = True,
-) -> Qwen3_5ForCausalLM:
+    config_class: type = Qwen3_5TextConfig,
+    model_class: type = Qwen3_5ForCausalLM,
+    **family_config: Any,  # the family's own config fields (its MoE fields)
+) -> PreTrainedModel:
+    """A random hybrid transformers model: Qwen3.5 by default, or the family of
+    ``config_class`` / ``model_class`` (Qwen3.5-MoE, Qwen3-Next; ``intermediate_size=0``: the
+    family has no such field)."""
     layer_types = layer_types or (HYBRID_LAYER_TYPES * num_layers)[:num_layers]
-    config = Qwen3_5TextConfig(
-        **_common_config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tie_word_embeddings=tie_word_embeddings,
-        ),
+    common = _common_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    if not intermediate_size:
+        del common["intermediate_size"]
+    config = config_class(
+        **common,
+        **family_config,
         rope_parameters={
             "rope_type": "default",
             "rope_theta": ROPE_THETA,
@@ -503,7 +519,7 @@ def _qwen3_5_model(
         linear_conv_kernel_dim=4,
     )
     with _seeded(seed):
-        model = Qwen3_5ForCausalLM(config).float().eval()
+        model = model_class(config).float().eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("A_log"):  # decays that keep a few tokens in the state
@@ -555,6 +571,83 @@ def make_qwen3_5_checkpoint(
     return _save_target(
         model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="rope_parameters"
     )
+
+
+HYBRID_MOE_FAMILIES = {
+    # family -> (config class, model class)
+    "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
+}
+
+
+def make_hybrid_moe_checkpoint(
+    out_dir: Path,
+    family: str = "qwen3_5_moe",
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 48,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    layer_types: tuple[str, ...] | None = None,
+    linear_heads: tuple[int, int] = (2, 4),
+    num_experts: int = 8,
+    top_k: int = 2,
+    moe_intermediate_size: int = 16,
+    shared_expert_intermediate_size: int = 24,
+    intermediate_size: int = 40,  # qwen3_next's dense layers
+    norm_topk_prob: bool = True,  # qwen3_next only
+    decoder_sparse_step: int = 1,  # qwen3_next only
+    mlp_only_layers: tuple[int, ...] = (),  # qwen3_next only
+    tie_word_embeddings: bool = False,
+    stacked_experts: bool = False,
+    seed: int | None = None,
+) -> Path:
+    """A random hybrid MoE target: ``family`` "qwen3_5_moe" (``Qwen3_5MoeForCausalLM``, every
+    layer routed, top-k renormalised) or "qwen3_next" (``Qwen3NextForCausalLM``: per-key-head
+    ``in_proj_qkvz`` / ``in_proj_ba``, dense layers by ``decoder_sparse_step`` /
+    ``mlp_only_layers``), each MoE layer with a gated shared expert. ``save_pretrained`` writes
+    one tensor per expert; ``stacked_experts=True`` rewrites the weights with the in-memory
+    names (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj``)."""
+    config_class, model_class = HYBRID_MOE_FAMILIES[family]
+    moe = dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+    )
+    if family == "qwen3_next":
+        moe.update(
+            norm_topk_prob=norm_topk_prob,
+            decoder_sparse_step=decoder_sparse_step,
+            mlp_only_layers=list(mlp_only_layers),
+        )
+    model = _qwen3_5_model(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size if family == "qwen3_next" else 0,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        tie_word_embeddings=tie_word_embeddings,
+        seed=seed,
+        layer_types=layer_types,
+        linear_heads=linear_heads,
+        config_class=config_class,
+        model_class=model_class,
+        **moe,
+    )
+    out_dir = _save_target(
+        model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="rope_parameters"
+    )
+    if stacked_experts:
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if tie_word_embeddings:
+            state.pop("lm_head.weight")
+        save_file(state, out_dir / "model.safetensors", {"format": "pt"})
+    return out_dir
 
 
 def predictable_next_token(token: int, vocab_size: int) -> int:

@@ -417,6 +417,14 @@ def _build_state_dict(
     return state_dict
 
 
+# llama.cpp's hybrid (linear-attention) architectures -> the Hugging Face one that loads.
+_HYBRID_HF = {
+    "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
+}
+
+
 # --- driver --------------------------------------------------------------------------------
 
 
@@ -426,8 +434,15 @@ def _load(buf: mmap.mmap) -> GGUFCheckpoint:
     if not isinstance(arch, str):
         raise FormatError("metadata 'general.architecture' is missing")
     if arch not in GGUF_ARCHITECTURES:
+        hybrid = _HYBRID_HF.get(arch)
+        hint = (
+            f": llama.cpp converts its Gated DeltaNet tensors to a layout not mapped here; "
+            f"load the Hugging Face {hybrid} checkpoint instead"
+            if hybrid
+            else ""
+        )
         raise UnsupportedError(
-            f"unsupported architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"unsupported architecture {arch!r}{hint} (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
     spec = _ARCHS[arch]
     tensors: dict[str, TensorInfo] = {}

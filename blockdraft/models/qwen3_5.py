@@ -1,6 +1,7 @@
 """Qwen3.5 (dense): a hybrid decoder whose `layer_types` mix Gated DeltaNet (`linear_attention`)
 and gated full attention (`full_attention`, every fourth layer in the published models), each
-followed by a dense SwiGLU MLP, with offset-weight RMSNorms (`1 + weight`).
+followed by a dense SwiGLU MLP, with offset-weight RMSNorms (`1 + weight`). The MoE families
+(`qwen3_5_moe.py`, `qwen3_next.py`) build the same model with their own MLP per layer.
 
 `Qwen3_5ForCausalLM` checkpoints load as they are; `Qwen3_5ForConditionalGeneration` ones load
 their language model (`model.language_model.*`) and skip the vision tower and the MTP head.
@@ -21,11 +22,10 @@ from torch import nn
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
-from blockdraft.layers.mlp import MLP
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.models.llama import DecoderLM
-from blockdraft.models.model_config import TransformerConfig
+from blockdraft.models.llama import DecoderLM, MLPFactory, dense_mlp
+from blockdraft.models.model_config import MoEConfig, TransformerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,21 @@ class HybridConfig(TransformerConfig):
     partial_rotary_factor: float
 
 
+def text_config(hf: dict) -> dict:
+    """A causal LM's config.json, or a multimodal one's `text_config` over its top level."""
+    return {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
+
+
 def qwen3_5_config(hf: dict) -> HybridConfig:
     """`Qwen3_5ForCausalLM`'s config.json, or the `text_config` of a
     `Qwen3_5ForConditionalGeneration` one."""
-    text = {**hf, **hf["text_config"]} if isinstance(hf.get("text_config"), dict) else hf
-    base = TransformerConfig.from_hf(text, "qwen3_5", qk_norm=True)
+    return hybrid_config(text_config(hf), "qwen3_5")
+
+
+def hybrid_config(text: dict, architecture: str, moe: MoEConfig | None = None) -> HybridConfig:
+    """The hybrid shape in a (text) config.json; `moe`: the sparse layers of the MoE
+    families, parsed by their own parsers."""
+    base = TransformerConfig.from_hf(text, architecture, qk_norm=True)
     num_layers = base.num_layers
     interval = int(text.get("full_attention_interval", 4))
     layer_types = text.get("layer_types") or [
@@ -64,7 +74,8 @@ def qwen3_5_config(hf: dict) -> HybridConfig:
     rope = text.get("rope_parameters") or {}
     try:
         return HybridConfig(
-            **{f: getattr(base, f) for f in base.__dataclass_fields__},
+            **{f: getattr(base, f) for f in base.__dataclass_fields__ if f != "moe"},
+            moe=moe,
             layer_types=tuple(layer_types),
             linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
             linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
@@ -80,7 +91,9 @@ def qwen3_5_config(hf: dict) -> HybridConfig:
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, cfg: HybridConfig, layer_type: str, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: HybridConfig, layer_type: str, rotary: RotaryEmbedding, mlp: nn.Module
+    ) -> None:
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
@@ -103,7 +116,7 @@ class HybridDecoderLayer(nn.Module):
                 cfg.rms_norm_eps,
                 bias=cfg.attention_bias,
             )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = mlp
         self.input_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,7 +140,7 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridDecoderModel(nn.Module):
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
@@ -137,17 +150,21 @@ class HybridDecoderModel(nn.Module):
             cfg.rope_scaling,
             partial_rotary_factor=cfg.partial_rotary_factor,
         )
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, t, rotary) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(cfg, t, rotary, make_mlp(cfg, i))
+            for i, t in enumerate(cfg.layer_types)
+        )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Qwen3_5LM(DecoderLM):
-    """`DecoderLM` (forward with DFlash feature capture, logits) over hybrid layers."""
+    """`DecoderLM` (forward with DFlash feature capture, logits) over hybrid layers; `make_mlp`
+    builds each layer's MLP (the MoE families pass their own)."""
 
-    def __init__(self, cfg: HybridConfig) -> None:
+    def __init__(self, cfg: HybridConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         nn.Module.__init__(self)  # DecoderLM's own builds Llama layers
         self.cfg = cfg
-        self.model = HybridDecoderModel(cfg)
+        self.model = HybridDecoderModel(cfg, make_mlp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

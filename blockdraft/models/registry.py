@@ -15,7 +15,9 @@ from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLM, llama_config, qwen3_config
 from blockdraft.models.model_config import TransformerConfig
 from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
+from blockdraft.models.qwen3_5_moe import Qwen3_5MoeLM, qwen3_5_moe_config
 from blockdraft.models.qwen3_moe import Qwen3MoeForCausalLM, qwen3_moe_config
+from blockdraft.models.qwen3_next import Qwen3NextLM, qwen3_next_config
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ ARCHITECTURES: dict[str, ModelArchitecture] = {
         ModelArchitecture("Qwen3MoeForCausalLM", Qwen3MoeForCausalLM, qwen3_moe_config),
         ModelArchitecture("Qwen3_5ForCausalLM", Qwen3_5LM, qwen3_5_config),
         ModelArchitecture("Qwen3_5ForConditionalGeneration", Qwen3_5LM, qwen3_5_config),
+        ModelArchitecture("Qwen3_5MoeForCausalLM", Qwen3_5MoeLM, qwen3_5_moe_config),
+        ModelArchitecture("Qwen3_5MoeForConditionalGeneration", Qwen3_5MoeLM, qwen3_5_moe_config),
+        ModelArchitecture("Qwen3NextForCausalLM", Qwen3NextLM, qwen3_next_config),
     )
 }
 

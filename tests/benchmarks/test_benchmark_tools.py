@@ -257,10 +257,15 @@ SHRUNK = {
     "num_attention_heads": 8,
     "head_dim": 16,
     "max_position_embeddings": 512,
+    "shared_expert_intermediate_size": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
 }
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.5-35b-a3b"])
 def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None:
     """A bench shape's config, shrunk, builds and generates with load_format="dummy" (random
     weights made where the model lives), with its DFlash drafter, as gpu_bench runs it."""
@@ -272,6 +277,8 @@ def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None
     hf = {**shape.config, **{k: v for k, v in SHRUNK.items() if k in shape.config}}
     group = shape.config["num_attention_heads"] // shape.config["num_key_value_heads"]
     hf["num_key_value_heads"] = hf["num_attention_heads"] // group
+    if "layer_types" in hf:
+        hf["layer_types"] = hf["layer_types"][: hf["num_hidden_layers"]]
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps(hf))
@@ -288,9 +295,10 @@ def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None
 def test_moe_step_reads_count_each_chosen_expert_once(rng) -> None:
     """The expected distinct experts of a k-row step under uniform routing agree with a
     simulation of it, and gpu_bench's table of the 30B-A3B shape reads 8 experts per layer at
-    decode, ~82 at a 16-row verify (6.5x the decode's bytes)."""
+    decode, ~82 at a 16-row verify (6.5x the decode's bytes); the 35B-A3B hybrid's reads ~6 GB
+    at decode (3B active parameters), ~5x that at a 16-row verify."""
     from benchmarks.gpu_bench import moe_step_reads
-    from benchmarks.shapes import QWEN3_CODER_30B_A3B, expected_distinct_experts
+    from benchmarks.shapes import QWEN3_CODER_30B_A3B, SHAPES, expected_distinct_experts
 
     trials, experts, top_k, rows = 2000, 128, 8, 16
     picks = torch.rand(trials, rows, experts, generator=rng).topk(top_k, dim=-1).indices
@@ -303,6 +311,9 @@ def test_moe_step_reads_count_each_chosen_expert_once(rng) -> None:
     assert reads[2][1] == pytest.approx(82.4, abs=0.1)
     assert 6.0 < reads[2][3] < 7.0
     assert reads[0][2] == pytest.approx(6.08, abs=0.01)  # GB a decoded token reads
+    hybrid = moe_step_reads(SHAPES["qwen3.5-35b-a3b"].config, 4.26e12)
+    assert hybrid[0][1] == pytest.approx(8) and 4.5 < hybrid[2][3] < 5.5  # 35B-A3B
+    assert hybrid[0][2] == pytest.approx(6.02, abs=0.01)
 
 
 def test_hybrid_shape_bytes_count_the_model_weights_and_states() -> None:
@@ -319,3 +330,24 @@ def test_hybrid_shape_bytes_count_the_model_weights_and_states() -> None:
     state = sum(a.num_v_heads * a.k_head_dim * a.v_head_dim for a in model.linear_layers)
     expected = 2 * params + 2 * 4 * state
     assert abs(shape.bytes_per_token(shape.config) - expected) < 1e-4 * expected
+
+
+def test_hybrid_moe_shape_bytes_count_the_active_weights_and_states() -> None:
+    """qwen3.5-35b-a3b's decode bytes: its model's weights (less the gathered embedding and the
+    routed experts a token does not choose) in bf16, to within the norms, plus each linear
+    layer's float32 state read and written: about 3B active parameters."""
+    from benchmarks.shapes import SHAPES
+    from blockdraft.models.qwen3_5_moe import Qwen3_5MoeLM, qwen3_5_moe_config
+
+    shape = SHAPES["qwen3.5-35b-a3b"]
+    cfg = qwen3_5_moe_config(shape.config)
+    with torch.device("meta"):
+        model = Qwen3_5MoeLM(cfg)
+    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    moe = cfg.moe
+    unchosen = (moe.num_experts - moe.top_k) * 3 * cfg.hidden_size * moe.intermediate_size
+    active = params - cfg.num_layers * unchosen
+    state = sum(a.num_v_heads * a.k_head_dim * a.v_head_dim for a in model.linear_layers)
+    expected = 2 * active + 2 * 4 * state
+    assert abs(shape.bytes_per_token(shape.config) - expected) < 1e-4 * expected
+    assert 2.5e9 < active + cfg.vocab_size * cfg.hidden_size < 3.5e9

@@ -551,3 +551,25 @@ def test_default_model_path_does_not_import_the_package() -> None:
     ).stdout.split()
     assert out[0].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(out[0])
     assert out[1:] == ["False", "False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("arch", "hf"),
+    [
+        ("qwen35", "Qwen3_5ForCausalLM"),
+        ("qwen35moe", "Qwen3_5MoeForCausalLM"),
+        ("qwen3next", "Qwen3NextForCausalLM"),
+    ],
+)
+def test_hybrid_architectures_are_refused_with_the_checkpoint_to_use(tmp_path, arch, hf) -> None:
+    """llama.cpp's Gated DeltaNet GGUFs: a ValueError naming the architecture and the Hugging
+    Face checkpoint that loads instead."""
+    path = tmp_path / f"{arch}.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _expect_error(path, f"unsupported architecture {arch!r}", hf)

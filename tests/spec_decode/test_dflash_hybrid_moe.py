@@ -1,0 +1,80 @@
+"""DFlash on hybrid MoE targets (Qwen3.5-MoE, Qwen3-Next): the first drafts equal z-lab's on
+transformers' model; greedy speculative decoding gives plain decoding's tokens, with verify
+blocks routed through the experts and the linear-attention states committed at the accepted
+length (synthetic acceptance keeps random prefixes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+from test_dflash_hybrid import DRAFTER_LAYERS, spec
+
+from blockdraft import LLM, SamplingParams
+
+from checkpoints import load_hf_target, make_dflash_drafter, make_hybrid_moe_checkpoint
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_greedy_lossless_and_bonus_tokens(tmp_path: Path, family: str, rng) -> None:
+    """Speculative greedy output equals plain decoding's; under synthetic acceptance (random
+    prefixes of random drafts kept) every bonus token is the target's greedy choice given
+    everything committed before, which only holds when the states end at the kept drafts."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    target = make_hybrid_moe_checkpoint(tmp_path / "target", family, num_layers=4, seed=seed)
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=8, **DRAFTER_LAYERS)
+    prompts = [torch.randint(4, 128, (k,), generator=rng).tolist() for k in (1, 9, 23)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    setup = dict(block_size=4, max_num_batched_tokens=16)
+    ar = LLM(str(target), **setup).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(target), speculative_config=spec(drafter, 5), **setup)
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
+    assert len(llm.engine.block_manager.free_state_slots) == llm.engine.config.max_num_seqs
+
+    synthetic = spec(drafter, 5, synthetic_acceptance_rate=0.6)
+    outs = LLM(str(target), speculative_config=synthetic, **setup).generate(
+        prompts, params, use_tqdm=False
+    )
+    hf, partial = load_hf_target(target), 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens, lengths = out.outputs[0].token_ids, out.spec_accept_lengths
+        with torch.no_grad():
+            greedy = hf(torch.tensor([prompt + tokens])).logits[0].argmax(-1).tolist()
+        bonus = [0]  # the prefill's token, then the last token of every complete step
+        for length in lengths[:-1]:  # the last step may stop inside its accepted drafts
+            bonus.append(bonus[-1] + length)
+        assert [tokens[i] for i in bonus] == [greedy[len(prompt) + i - 1] for i in bonus]
+        partial += sum(1 < k < 6 for k in lengths[:-1])
+    assert partial >= 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_first_drafts_match_zlab(tmp_path: Path, family: str, rng) -> None:
+    """The drafter's first logits on the MoE target's captured features equal z-lab's (on
+    transformers' model): the features come from the right layers through the experts."""
+    import dflash.model as zlab
+    from transformers import DynamicCache
+
+    from checkpoints import zlab_first_draft_logits
+
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    target = make_hybrid_moe_checkpoint(tmp_path / "target", family, num_layers=4, seed=seed)
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=8, **DRAFTER_LAYERS)
+    prompt = torch.randint(4, 128, (13,), generator=rng).tolist()
+
+    def make_cache(config):
+        cache = DynamicCache(config=config)
+        cache.activate_past_recording(recurrent_states_to_keep=8)
+        return cache
+
+    with mock.patch.object(zlab, "_make_cache", make_cache):
+        ref = zlab_first_draft_logits(target, drafter, prompt)
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
+    seen: list[torch.Tensor] = []
+    original = llm.engine.proposer.drafter.compute_logits
+    llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
