@@ -122,7 +122,7 @@ def shard_tensors(tensors, shards: dict[str, Shard], source: object):
         shard = shards.get(name)
         if shard is not None:
             _check_full(name, tensor.shape, shard, source)
-            tensor = tensor[shard.index()]
+            tensor = shard.take(tensor)
         yield name, tensor
 
 
@@ -152,7 +152,7 @@ def iter_checkpoint_tensors(
                         continue
                     part = f.get_slice(name)
                     _check_full(name, part.get_shape(), shard, file)
-                    yield name, part[shard.index()]
+                    yield name, shard.take(part)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
 
@@ -227,7 +227,7 @@ def _loaded_part(param: nn.Parameter) -> torch.Tensor:
     shard = param_shard(param)
     if shard is None:
         return param
-    return param.narrow(shard.dim, 0, shard.stop - shard.start)
+    return param.narrow(shard.dim, 0, shard.length)
 
 
 def init_dummy_weights(module: nn.Module, std: float = 0.02) -> None:

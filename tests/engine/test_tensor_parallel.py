@@ -3,7 +3,9 @@ and seeded-sampled, with and without DFlash; a killed worker makes the engine ra
 workers exit when their driver dies; sizes that do not split the models fail before any worker
 starts; each rank loads only its slice of every sharded tensor. MoE targets: each rank holds
 and reads only its range of the experts, the ranks' partial sums of the routed and shared
-experts add up to one process's output in one all-reduce."""
+experts add up to one process's output in one all-reduce. Hybrid targets: each rank holds and
+reads only its Gated DeltaNet key/value heads (three ranges of the fused q|k|v rows) and its
+gated-attention heads, and generates what one process does."""
 
 import multiprocessing
 import os
@@ -45,6 +47,7 @@ from blockdraft.models.registry import resolve_architecture
 from checkpoints import (
     make_dflash_drafter,
     make_llama_checkpoint,
+    make_qwen3_5_checkpoint,
     make_qwen3_checkpoint,
     make_qwen3_moe_checkpoint,
 )
@@ -450,9 +453,90 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_hybrid_targets_are_refused_under_tensor_parallelism(tmp_path) -> None:
-    from checkpoints import make_qwen3_5_checkpoint
+# -- hybrid (Gated DeltaNet + gated attention) targets ------------------------------------------
 
-    target = make_qwen3_5_checkpoint(tmp_path / "hybrid", num_layers=2)
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        LLM(str(target), tensor_parallel_size=2)
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory) -> dict[str, Path]:
+    """Linear, full, linear layers; 4 key / 8 value heads in the linear layers, 4 query / 2 KV
+    heads in the full one (split over 2 ranks, replicated over 4)."""
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    hybrid = make_qwen3_5_checkpoint(
+        root / "hybrid", vocab_size=VOCAB, num_layers=3, linear_heads=(4, 8), seed=7
+    )
+    return {
+        "hybrid": hybrid,
+        "drafter": make_dflash_drafter(root / "drafter", hybrid, target_layer_ids=[0, 2]),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, speculate", [(2, False), (2, True), (4, True)])
+def test_hybrid_outputs_equal_one_process(hybrid_models, rng, size: int, speculate: bool) -> None:
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (3, 9, 21)]
+    drafter = hybrid_models["drafter"] if speculate else None
+    expected = generate(hybrid_models["hybrid"], drafter, 1, prompts)
+    assert generate(hybrid_models["hybrid"], drafter, size, prompts) == expected
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_loads_its_hybrid_heads(hybrid_models, size: int) -> None:
+    """Rank r holds key heads and value heads [r*H/N, (r+1)*H/N) of every Gated DeltaNet
+    layer: its q, k and v rows of in_proj_qkv and conv1d (three ranges, read alone), its value
+    rows of in_proj_z/b/a, dt_bias, A_log and out_proj's columns; the gated norm whole; the
+    full attention layer's q_proj keeps each head's query and gate rows together. The fused
+    input GEMM stacks the rank's parts; the ranks' parts cover every tensor."""
+    path = hybrid_models["hybrid"]
+    hf = read_json(path / "config.json")
+    arch = resolve_architecture(hf)
+    cfg = arch.parse_config(hf)
+    full = _full_tensors(path)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    key_dim, value_dim = hk * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    gdn_name, attn_name = "model.layers.0.linear_attn", "model.layers.1.self_attn"
+
+    def qkv_rows(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        q, k, v = tensor.split((key_dim, key_dim, value_dim))
+        return torch.cat([t.chunk(size)[rank] for t in (q, k, v)])
+
+    covered: dict[str, list[torch.Tensor]] = {}
+    for rank in range(size):
+        with building_tensor_parallel(TensorParallel(rank, size, group=None)):
+            model = arch.model_class(cfg)
+        params = dict(model.named_parameters())
+        tensors = iter_checkpoint_tensors(read_checkpoint(str(path)), param_shards(params))
+        load_weights(params, tensors, str(path))
+        gdn, attn = model.model.layers[0].linear_attn, model.model.layers[1].self_attn
+        assert (gdn.num_k_heads, gdn.num_v_heads) == (hk // size, hv // size)
+        for part in ("in_proj_qkv", "conv1d"):
+            expected = qkv_rows(full[f"{gdn_name}.{part}.weight"], rank)
+            assert torch.equal(getattr(gdn, part).weight, expected), part
+        for part in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias",
+                     "A_log"):  # fmt: skip
+            expected = full[f"{gdn_name}.{part}"].chunk(size)[rank]
+            assert torch.equal(params[f"{gdn_name}.{part}"], expected), part
+        out = full[f"{gdn_name}.out_proj.weight"].chunk(size, dim=1)[rank]
+        assert torch.equal(gdn.out_proj.weight, out)
+        assert torch.equal(gdn.norm.weight, full[f"{gdn_name}.norm.weight"])
+        q_gate = full[f"{attn_name}.q_proj.weight"].view(cfg.num_heads, 2, cfg.head_dim, -1)
+        assert torch.equal(attn.q_proj.weight, q_gate.chunk(size)[rank].flatten(0, 2))
+        for name, p in params.items():
+            shard = param_shard(p)
+            held = p if shard is None else p.narrow(shard.dim, 0, shard.length)
+            covered.setdefault(name, []).append(held)
+        fuse_projections(model)
+        in_proj = torch.cat([full[f"{gdn_name}.in_proj_{x}.weight"].chunk(size)[rank]
+                             for x in "zba"])  # fmt: skip
+        fused = torch.cat((qkv_rows(full[f"{gdn_name}.in_proj_qkv.weight"], rank), in_proj))
+        assert torch.equal(gdn._in_proj[0], fused)
+    for name in (f"{gdn_name}.in_proj_z.weight", f"{gdn_name}.A_log", f"{attn_name}.q_proj.weight",
+                 "model.layers.2.linear_attn.in_proj_b.weight"):  # fmt: skip
+        assert torch.equal(torch.cat(covered[name]), full[name]), name
+    name = "model.layers.2.linear_attn.out_proj.weight"
+    assert torch.equal(torch.cat(covered[name], dim=1), full[name])
+
+
+def test_linear_heads_that_do_not_split_fail_before_workers_start(tmp_path) -> None:
+    target = make_qwen3_5_checkpoint(tmp_path / "hybrid", num_layers=2, linear_heads=(2, 4))
+    with pytest.raises(ValueError, match="does not divide its 2 Gated DeltaNet key heads"):
+        LLM(str(target), tensor_parallel_size=4)
