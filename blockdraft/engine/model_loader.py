@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +15,14 @@ import torch
 from torch import nn
 
 from blockdraft.config import EngineConfig, check_tensor_parallel_shape
+from blockdraft.distributed.tensor_parallel import Shard
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
+    Checkpoint,
+    checkpoint_tensor_names,
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
@@ -101,6 +104,21 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+def _under_checkpoint_names(
+    ckpt: Checkpoint,
+    rename: Callable[[Iterable[tuple[str, object]]], Iterable[tuple[str, object]]],
+    shards: dict[str, Shard],
+    skip: Callable[[str], bool],
+) -> tuple[dict[str, Shard], Callable[[str], bool]]:
+    """A tensor-parallel rank's `shards` and `skip` (under the model's names) under the names
+    of the checkpoint tensors `rename` gives them, so that each tensor is read as its slice;
+    the tensors `rename` drops are not read. Each name goes through `rename` in its tensor's
+    place, so nothing is read to find them."""
+    model_name = {old: new for new, old in rename((n, n) for n in checkpoint_tensor_names(ckpt))}
+    by_checkpoint = {old: shards[new] for old, new in model_name.items() if new in shards}
+    return by_checkpoint, lambda name: name not in model_name or skip(model_name[name])
+
+
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     model_path = config.model
     if model_path is None:
@@ -152,11 +170,13 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         init_dummy_weights(model)
     else:
         params = dict(model.named_parameters())
-        tensors = iter_checkpoint_tensors(
-            ckpt, param_shards(params), other_ranks_tensors(params, model.checkpoint_slice)
-        )
+        shards = param_shards(params)
+        skip = other_ranks_tensors(params, model.checkpoint_slice)
         # A family may rename or skip checkpoint tensors (a multimodal checkpoint's LM).
         rename = getattr(model, "checkpoint_tensors", None)
+        if rename is not None and shards:
+            shards, skip = _under_checkpoint_names(ckpt, rename, shards, skip)
+        tensors = iter_checkpoint_tensors(ckpt, shards, skip)
         load_weights(
             params,
             tensors if rename is None else rename(tensors),

@@ -7,8 +7,10 @@ experts add up to one process's output in one all-reduce. Hybrid targets: each r
 reads only its Gated DeltaNet key/value heads (three ranges of the fused q|k|v rows) and its
 gated-attention heads, and generates what one process does."""
 
+import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.config import EngineConfig, check_device_available, check_tensor_parallel_shape
@@ -466,8 +469,27 @@ def hybrid_models(tmp_path_factory) -> dict[str, Path]:
     )
     return {
         "hybrid": hybrid,
+        "multimodal": _as_multimodal(hybrid, root / "multimodal"),
         "drafter": make_dflash_drafter(root / "drafter", hybrid, target_layer_ids=[0, 2]),
     }
+
+
+def _as_multimodal(target: Path, out: Path) -> Path:
+    """`target` as a `Qwen3_5ForConditionalGeneration` checkpoint: its tensors under
+    `model.language_model.*`, beside a vision tower's and an MTP head's."""
+    shutil.copytree(target, out)
+    text = read_json(out / "config.json")
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): t
+        for name, t in load_file(out / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, out / "model.safetensors")
+    return out
 
 
 @pytest.mark.slow
@@ -477,6 +499,15 @@ def test_hybrid_outputs_equal_one_process(hybrid_models, rng, size: int, specula
     drafter = hybrid_models["drafter"] if speculate else None
     expected = generate(hybrid_models["hybrid"], drafter, 1, prompts)
     assert generate(hybrid_models["hybrid"], drafter, size, prompts) == expected
+
+
+@pytest.mark.slow
+def test_multimodal_hybrid_checkpoint_splits(hybrid_models, rng) -> None:
+    """A multimodal checkpoint's language model (tensors renamed as they are read) splits:
+    each rank reads its slices under the checkpoint's names."""
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (5, 8, 17)]
+    expected = generate(hybrid_models["hybrid"], None, 1, prompts)
+    assert generate(hybrid_models["multimodal"], None, 2, prompts) == expected
 
 
 @pytest.mark.parametrize("size", [2, 4])
