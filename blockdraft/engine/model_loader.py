@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
     Checkpoint,
-    checkpoint_tensor_names,
+    checkpoint_tensor_shapes,
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
@@ -104,19 +104,43 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def _under_checkpoint_names(
-    ckpt: Checkpoint,
-    rename: Callable[[Iterable[tuple[str, object]]], Iterable[tuple[str, object]]],
-    shards: dict[str, Shard],
-    skip: Callable[[str], bool],
-) -> tuple[dict[str, Shard], Callable[[str], bool]]:
-    """A tensor-parallel rank's `shards` and `skip` (under the model's names) under the names
-    of the checkpoint tensors `rename` gives them, so that each tensor is read as its slice;
-    the tensors `rename` drops are not read. Each name goes through `rename` in its tensor's
-    place, so nothing is read to find them."""
-    model_name = {old: new for new, old in rename((n, n) for n in checkpoint_tensor_names(ckpt))}
-    by_checkpoint = {old: shards[new] for old, new in model_name.items() if new in shards}
-    return by_checkpoint, lambda name: name not in model_name or skip(model_name[name])
+def _rank_tensors(
+    ckpt: Checkpoint, model: nn.Module, params: dict[str, nn.Parameter]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the model's names (a family may rename, regroup or drop
+    some: `checkpoint_tensors`, e.g. a multimodal checkpoint's language model), each tensor of
+    a tensor-parallel shard as its slice: read alone where the family only renames the tensor,
+    else cut from the tensor it makes; other ranks' experts are not read."""
+    shards = param_shards(params)
+    skip = other_ranks_tensors(params, model.checkpoint_slice)
+    rename = getattr(model, "checkpoint_tensors", None)
+    if rename is None:
+        return iter_checkpoint_tensors(ckpt, shards, skip)
+    if not shards:
+        return rename(iter_checkpoint_tensors(ckpt, None, skip))
+    # Shape-only stand-ins go through the renaming: a tensor it passes on as it is keeps its
+    # identity, which maps the model's name back to the checkpoint's.
+    stand_ins = {
+        name: torch.empty(shape, device="meta")
+        for name, shape in checkpoint_tensor_shapes(ckpt).items()
+    }
+    origin = {id(t): name for name, t in stand_ins.items()}
+    model_name = {origin[id(t)]: new for new, t in rename(stand_ins.items()) if id(t) in origin}
+    read_shards = {old: shards[new] for old, new in model_name.items() if new in shards}
+    tensors = iter_checkpoint_tensors(
+        ckpt, read_shards, lambda name: name in model_name and skip(model_name[name])
+    )
+    return _cut_whole(rename(tensors), shards)
+
+
+def _cut_whole(tensors, shards: dict[str, Shard]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, a sharded parameter's cut to its slice where it comes whole (made by the
+    family's renaming from tensors read whole)."""
+    for name, tensor in tensors:
+        shard = shards.get(name)
+        if shard is not None and tensor.shape[shard.dim] == shard.full:
+            tensor = shard.take(tensor)
+        yield name, tensor
 
 
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
@@ -170,16 +194,9 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         init_dummy_weights(model)
     else:
         params = dict(model.named_parameters())
-        shards = param_shards(params)
-        skip = other_ranks_tensors(params, model.checkpoint_slice)
-        # A family may rename or skip checkpoint tensors (a multimodal checkpoint's LM).
-        rename = getattr(model, "checkpoint_tensors", None)
-        if rename is not None and shards:
-            shards, skip = _under_checkpoint_names(ckpt, rename, shards, skip)
-        tensors = iter_checkpoint_tensors(ckpt, shards, skip)
         load_weights(
             params,
-            tensors if rename is None else rename(tensors),
+            _rank_tensors(ckpt, model, params),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

@@ -115,6 +115,21 @@ def checkpoint_tensor_names(ckpt: Checkpoint) -> list[str]:
     return names
 
 
+def checkpoint_tensor_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a checkpoint holds, without reading them."""
+    if ckpt.state_dict is not None:
+        return {name: tuple(t.shape) for name, t in ckpt.state_dict.items()}
+    shapes = {}
+    for file in ckpt.weight_files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
+    return shapes
+
+
 def shard_tensors(tensors, shards: dict[str, Shard], source: object):
     """(name, tensor) pairs of tensors held whole, each cut to its slice where `shards` names
     it (a tensor-parallel rank's part)."""
