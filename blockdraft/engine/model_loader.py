@@ -104,7 +104,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def _rank_tensors(
+def rank_checkpoint_tensors(
     ckpt: Checkpoint, model: nn.Module, params: dict[str, nn.Parameter]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under the model's names (a family may rename, regroup or drop
@@ -196,7 +196,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         params = dict(model.named_parameters())
         load_weights(
             params,
-            _rank_tensors(ckpt, model, params),
+            rank_checkpoint_tensors(ckpt, model, params),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

@@ -31,6 +31,7 @@ from blockdraft.distributed.tensor_parallel import (
     building_tensor_parallel,
     param_shard,
 )
+from blockdraft.engine import model_loader
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.layers.moe import SparseMoE
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
@@ -45,6 +46,7 @@ from blockdraft.models.loader import (
     shard_tensors,
 )
 from blockdraft.models.model_config import MoEConfig
+from blockdraft.models.qwen3_5 import Qwen3_5LM
 from blockdraft.models.registry import resolve_architecture
 
 from checkpoints import (
@@ -565,6 +567,72 @@ def test_each_rank_loads_its_hybrid_heads(hybrid_models, size: int) -> None:
         assert torch.equal(torch.cat(covered[name]), full[name]), name
     name = "model.layers.2.linear_attn.out_proj.weight"
     assert torch.equal(torch.cat(covered[name], dim=1), full[name])
+
+
+@pytest.mark.parametrize(
+    "linear_heads, size, message",
+    [
+        ((2, 4), 4, "its 2 Gated DeltaNet key heads of the target"),
+        ((4, 12), 8, "its 4 Gated DeltaNet key heads and its 12 Gated DeltaNet value heads"),
+    ],
+)
+def test_shape_check_names_linear_heads(linear_heads, size: int, message: str) -> None:
+    shape = dict(num_heads=8, num_kv_heads=8, intermediate_size=64)
+    hybrid = SimpleNamespace(
+        **shape,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+    )
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel_shape(size, "the target", hybrid)
+    check_tensor_parallel_shape(size, "the target", SimpleNamespace(**shape))
+
+
+class _CopyingHybridLM(Qwen3_5LM):
+    """A family whose renaming makes new tensors (as a regrouping does): no slice can be read
+    for them, so each rank cuts its own from the tensors made."""
+
+    @staticmethod
+    def checkpoint_tensors(tensors):
+        for name, tensor in Qwen3_5LM.checkpoint_tensors(tensors):
+            yield name, tensor.clone()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("source", ["multimodal", "copying"])
+def test_each_rank_loads_its_slices_through_a_renaming(hybrid_models, size, source) -> None:
+    """A family's checkpoint_tensors between the read and the parameters: renamed tensors
+    (a multimodal checkpoint's language model) are read as their slices under the
+    checkpoint's names; tensors it makes are cut after it. Either way every rank holds what
+    it holds from the plain checkpoint."""
+    path = hybrid_models["multimodal" if source == "multimodal" else "hybrid"]
+    ckpt = read_checkpoint(str(path))
+    hf = read_json(hybrid_models["hybrid"] / "config.json")
+    model_cfg = resolve_architecture(hf).parse_config(hf)
+    family = Qwen3_5LM if source == "multimodal" else _CopyingHybridLM
+    read: list[str] = []  # the tensors read as slices, under the checkpoint's names
+
+    def reading(ckpt, shards=None, skip=lambda name: False):
+        read.extend(shards or {})
+        return iter_checkpoint_tensors(ckpt, shards, skip)
+
+    for rank in range(size):
+        read.clear()
+        with building_tensor_parallel(TensorParallel(rank, size, group=None)):
+            model, plain = family(model_cfg), Qwen3_5LM(model_cfg)
+        params, plain_params = dict(model.named_parameters()), dict(plain.named_parameters())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model_loader, "iter_checkpoint_tensors", reading)
+            load_weights(
+                params, model_loader.rank_checkpoint_tensors(ckpt, model, params), str(path)
+            )
+        plain_ckpt = read_checkpoint(str(hybrid_models["hybrid"]))
+        load_weights(plain_params, iter_checkpoint_tensors(plain_ckpt, param_shards(plain_params)),
+                     "plain")  # fmt: skip
+        for name, p in params.items():
+            assert torch.equal(p, plain_params[name]), name
+        assert len(read) == (len(param_shards(params)) if source == "multimodal" else 0)
 
 
 def test_linear_heads_that_do_not_split_fail_before_workers_start(tmp_path) -> None:
