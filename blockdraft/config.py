@@ -210,15 +210,12 @@ def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
     query heads, its KV heads (or, fewer KV heads than ranks, the ranks over them: each KV head
     is then replicated on the ranks of its query heads), the intermediate size of its dense
     MLPs and, for a mixture of experts, its experts (each rank holds whole experts, whatever
-    their width) and its shared expert's intermediate size. `cfg` has num_heads, num_kv_heads,
-    intermediate_size and optionally num_layers and moe (a models TransformerConfig)."""
+    their width) and its shared expert's intermediate size; for a hybrid, the key and value
+    heads of its Gated DeltaNet layers. `cfg` has num_heads, num_kv_heads, intermediate_size
+    and optionally num_layers, moe, layer_types and linear_num_{key,value}_heads (a models
+    TransformerConfig)."""
     if size == 1:
         return
-    if "linear_attention" in getattr(cfg, "layer_types", ()):
-        raise ValueError(
-            f"tensor_parallel_size {size}: {what} has Gated DeltaNet (linear attention) layers, "
-            "which tensor parallelism does not split yet; use tensor_parallel_size 1"
-        )
     heads, kv_heads, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     moe = getattr(cfg, "moe", None)
     problems = []
@@ -229,6 +226,11 @@ def check_tensor_parallel_shape(size: int, what: str, cfg: object) -> None:
     dense = moe is None or any(not moe.is_sparse(i) for i in range(cfg.num_layers))
     if dense and inter % size:
         problems.append(f"its intermediate_size {inter}")
+    if "linear_attention" in getattr(cfg, "layer_types", ()):
+        for kind in ("key", "value"):
+            linear_heads = getattr(cfg, f"linear_num_{kind}_heads")
+            if linear_heads % size:
+                problems.append(f"its {linear_heads} Gated DeltaNet {kind} heads")
     if moe is not None and moe.num_experts % size:
         problems.append(f"its {moe.num_experts} experts")
     if moe is not None and moe.shared_expert_intermediate_size % size:

@@ -24,16 +24,35 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class Shard:
     """The slice of a checkpoint tensor a rank's parameter holds: rows `start:stop` of `dim`
-    of a tensor whose `dim` has `full` entries. The parameter may be longer along `dim` (a
-    vocabulary padded to a multiple of the ranks): its tail past `stop - start` stays zero."""
+    of a tensor whose `dim` has `full` entries, then the rows of each `more` range, in order (a
+    fused q|k|v tensor: a rank's heads are one range of each part). The parameter may be longer
+    along `dim` (a vocabulary padded to a multiple of the ranks): its tail past `length` stays
+    zero."""
 
     dim: int
     start: int
     stop: int
     full: int
+    more: tuple[tuple[int, int], ...] = ()
 
-    def index(self) -> tuple[slice, ...]:
-        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+    @property
+    def length(self) -> int:
+        """Rows of `dim` the shard holds."""
+        return sum(stop - start for start, stop in self.ranges())
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.stop), *self.more)
+
+    def index(self, start: int | None = None, stop: int | None = None) -> tuple[slice, ...]:
+        """The index of one range along `dim` (default the first)."""
+        rows = slice(self.start if start is None else start, self.stop if stop is None else stop)
+        return (slice(None),) * self.dim + (rows,)
+
+    def take(self, tensor) -> torch.Tensor:
+        """The shard's rows of `tensor` (a torch tensor, or a safetensors slice, read range by
+        range so that nothing else is read)."""
+        parts = [tensor[self.index(start, stop)] for start, stop in self.ranges()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
 def tag_shard(param: torch.nn.Parameter, shard: Shard) -> None:

@@ -15,11 +15,14 @@ import torch
 from torch import nn
 
 from blockdraft.config import EngineConfig, check_tensor_parallel_shape
+from blockdraft.distributed.tensor_parallel import Shard
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
+    Checkpoint,
+    checkpoint_tensor_shapes,
     init_dummy_weights,
     iter_checkpoint_tensors,
     load_weights,
@@ -101,6 +104,45 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+def rank_checkpoint_tensors(
+    ckpt: Checkpoint, model: nn.Module, params: dict[str, nn.Parameter]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors under the model's names (a family may rename, regroup or drop
+    some: `checkpoint_tensors`, e.g. a multimodal checkpoint's language model), each tensor of
+    a tensor-parallel shard as its slice: read alone where the family only renames the tensor,
+    else cut from the tensor it makes; other ranks' experts are not read."""
+    shards = param_shards(params)
+    skip = other_ranks_tensors(params, model.checkpoint_slice)
+    rename = getattr(model, "checkpoint_tensors", None)
+    if rename is None:
+        return iter_checkpoint_tensors(ckpt, shards, skip)
+    if not shards:
+        return rename(iter_checkpoint_tensors(ckpt, None, skip))
+    # Shape-only stand-ins go through the renaming: a tensor it passes on as it is keeps its
+    # identity, which maps the model's name back to the checkpoint's.
+    stand_ins = {
+        name: torch.empty(shape, device="meta")
+        for name, shape in checkpoint_tensor_shapes(ckpt).items()
+    }
+    origin = {id(t): name for name, t in stand_ins.items()}
+    model_name = {origin[id(t)]: new for new, t in rename(stand_ins.items()) if id(t) in origin}
+    read_shards = {old: shards[new] for old, new in model_name.items() if new in shards}
+    tensors = iter_checkpoint_tensors(
+        ckpt, read_shards, lambda name: name in model_name and skip(model_name[name])
+    )
+    return _cut_whole(rename(tensors), shards)
+
+
+def _cut_whole(tensors, shards: dict[str, Shard]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, a sharded parameter's cut to its slice where it comes whole (made by the
+    family's renaming from tensors read whole)."""
+    for name, tensor in tensors:
+        shard = shards.get(name)
+        if shard is not None and tensor.shape[shard.dim] == shard.full:
+            tensor = shard.take(tensor)
+        yield name, tensor
+
+
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     model_path = config.model
     if model_path is None:
@@ -152,14 +194,9 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         init_dummy_weights(model)
     else:
         params = dict(model.named_parameters())
-        tensors = iter_checkpoint_tensors(
-            ckpt, param_shards(params), other_ranks_tensors(params, model.checkpoint_slice)
-        )
-        # A family may rename or skip checkpoint tensors (a multimodal checkpoint's LM).
-        rename = getattr(model, "checkpoint_tensors", None)
         load_weights(
             params,
-            tensors if rename is None else rename(tensors),
+            rank_checkpoint_tensors(ckpt, model, params),
             str(model_path),
             ignore=lambda name: (
                 "rotary_emb" in name

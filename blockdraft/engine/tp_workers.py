@@ -69,6 +69,7 @@ class ChunkPlan:
     num_drafts: int  # trailing verify rows
     num_tokens: int  # the request's tokens (its sampling position, whether the chunk completes)
     block_table: list[int]
+    state_slot: int | None  # hybrid targets: the request's linear-attention state slot
 
 
 @dataclass
@@ -90,6 +91,7 @@ class RequestMirror:
     seed: int
     num_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
     drafts: PendingDrafts | None = None
 
 
@@ -206,6 +208,7 @@ class TensorParallelWorkers:
                     c.num_drafts,
                     c.seq.num_tokens,
                     c.seq.block_table,
+                    c.seq.state_slot,
                 )
                 for c in chunks
             ],
@@ -358,6 +361,7 @@ class WorkerLoop:
         for c in plan.chunks:
             mirror = self.requests[c.request_id]
             mirror.num_tokens, mirror.block_table = c.num_tokens, c.block_table
+            mirror.state_slot = c.state_slot
             chunks.append(ScheduledChunk(mirror, c.start, c.token_ids, c.num_drafts))
         with torch.inference_mode(), use_kernel_policy(self.engine.kernel_policy):
             drafts = self.engine.launch_step(chunks, plan.num_drafts)[1]

@@ -1,16 +1,22 @@
 """The full-attention layer of Qwen3.5 / Qwen3-Next (transformers' `Qwen3_5Attention`): q_proj
 gives each head's query and an output gate side by side, per-head q/k RMSNorm with offset
-weights, partial rotary, paged attention, and `o_proj(attn * sigmoid(gate))`."""
+weights, partial rotary, paged attention, and `o_proj(attn * sigmoid(gate))`.
+
+Under tensor parallelism each rank holds its query heads (a head's query and gate rows are
+adjacent in q_proj, so they are one range) and KV heads as `SelfAttention` does; o_proj is
+row-parallel, one all-reduce after it; the q/k norms (per head dim) are whole on every rank."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
 from blockdraft.layers.attention import PagedAttention
-from blockdraft.layers.linear import fuse_linears, linear
+from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.layers.self_attention import head_shards
 
 
 class GatedSelfAttention(nn.Module):
@@ -25,11 +31,27 @@ class GatedSelfAttention(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
+        d, full_heads, full_kv_heads = head_dim, num_heads, num_kv_heads
+        self.tp = tp = current_tensor_parallel()
+        if tp is not None:
+            q_start, num_heads, kv_start, num_kv_heads = head_shards(tp, num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, 2 * num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        if tp is not None:
+            q_stop, kv_stop = q_start + num_heads, kv_start + num_kv_heads
+            shards = {
+                self.q_proj: Shard(0, 2 * q_start * d, 2 * q_stop * d, 2 * full_heads * d),
+                self.k_proj: Shard(0, kv_start * d, kv_stop * d, full_kv_heads * d),
+                self.v_proj: Shard(0, kv_start * d, kv_stop * d, full_kv_heads * d),
+            }
+            for proj, shard in shards.items():
+                for param in (proj.weight, proj.bias):
+                    if param is not None:
+                        tag_shard(param, shard)
+            tag_shard(self.o_proj.weight, Shard(1, q_start * d, q_stop * d, full_heads * d))
         self.q_norm = OffsetRMSNorm(head_dim, eps)
         self.k_norm = OffsetRMSNorm(head_dim, eps)
         self.rotary = rotary
@@ -60,4 +82,6 @@ class GatedSelfAttention(nn.Module):
         k = self.rotary.rotate(positions, self.k_norm(k))
         out = self.attn(q.contiguous(), k.contiguous(), v).flatten(1)
         out = out * torch.sigmoid(gate.reshape(out.shape))
+        if self.tp is not None:
+            return row_parallel_linear(self.tp, out, self.o_proj.weight, self.o_proj.bias)
         return linear(out, self.o_proj.weight, self.o_proj.bias)

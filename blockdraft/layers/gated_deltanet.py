@@ -12,6 +12,13 @@ and verify blocks run the recurrence as one padded batch. A verify block only re
 and keeps its conv inputs and outputs, g and beta (`stash_*`): `commit_verified` then advances
 the slot over the accepted rows with the recurrence alone, so rejected rows leave no trace and
 the target never runs twice.
+
+Under tensor parallelism each rank holds its share of the key heads and of the value heads
+(their grouping kept: value head j reads key head j // (Hv / Hk)): the rows of its q, k and v
+heads in `in_proj_qkv` and `conv1d` (three ranges of the q|k|v layout), of its value heads in
+`in_proj_z`, `in_proj_b`, `in_proj_a`, `dt_bias` and `A_log`; `out_proj` is row-parallel, one
+all-reduce after it; the gated norm (per head dim) is whole on every rank. The state pools
+hold the rank's heads only.
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import (
+    Shard,
+    TensorParallel,
+    current_tensor_parallel,
+    tag_shard,
+)
 from blockdraft.kernels.forward_context import LinearStateMetadata, get_attention_metadata
 from blockdraft.kernels.gated_delta_rule import (
     causal_conv1d_torch,
@@ -27,7 +40,7 @@ from blockdraft.kernels.gated_delta_rule import (
     lanewise,
 )
 from blockdraft.kernels.select import PerDevice, get_gated_delta_rule_backend
-from blockdraft.layers.linear import fuse_linears, linear
+from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 
 
 class RMSNormGated(nn.Module):
@@ -50,6 +63,20 @@ class RMSNormGated(nn.Module):
         return (out * F.silu(gate.float())).to(x.dtype)
 
 
+def _head_shards(
+    tp: TensorParallel, num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int
+) -> tuple[Shard, Shard, Shard]:
+    """This rank's rows of the q|k|v projection (and conv), of the value features (z) and of
+    the value heads (b, a, dt_bias, A_log): its contiguous share of the key heads and of the
+    value heads (config.check_tensor_parallel_shape checks the divisibility)."""
+    key_dim, value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
+    k_start, k_stop = (h * k_head_dim for h in tp.split(num_k_heads))
+    v_start, v_stop = (h * v_head_dim for h in tp.split(num_v_heads))
+    more = ((key_dim + k_start, key_dim + k_stop), (2 * key_dim + v_start, 2 * key_dim + v_stop))
+    qkv = Shard(0, k_start, k_stop, 2 * key_dim + value_dim, more)
+    return qkv, Shard(0, v_start, v_stop, value_dim), Shard(0, *tp.split(num_v_heads), num_v_heads)
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(
         self,
@@ -67,6 +94,10 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_value_heads {num_v_heads} must be a multiple of "
                 f"linear_num_key_heads {num_k_heads}"
             )
+        self.tp = tp = current_tensor_parallel()
+        if tp is not None:
+            shards = _head_shards(tp, num_k_heads, num_v_heads, k_head_dim, v_head_dim)
+            num_k_heads, num_v_heads = num_k_heads // tp.size, num_v_heads // tp.size
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.k_head_dim, self.v_head_dim = k_head_dim, v_head_dim
         self.key_dim, self.value_dim = num_k_heads * k_head_dim, num_v_heads * v_head_dim
@@ -83,6 +114,14 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = RMSNormGated(v_head_dim, eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        if tp is not None:
+            qkv, value, heads = shards
+            tag_shard(self.in_proj_qkv.weight, qkv)
+            tag_shard(self.conv1d.weight, qkv)
+            tag_shard(self.in_proj_z.weight, value)
+            for param in (self.in_proj_b.weight, self.in_proj_a.weight, self.dt_bias, self.A_log):
+                tag_shard(param, heads)
+            tag_shard(self.out_proj.weight, Shard(1, value.start, value.stop, value.full))
         # Bound by `allocate_states`: slot pools, the last slot spare.
         self.conv_state: torch.Tensor | None = None  # [num_slots, K - 1, conv_dim]
         self.recurrent_state: torch.Tensor | None = None  # [num_slots, Hv, Dk, Dv] float32
@@ -139,7 +178,10 @@ class GatedDeltaNet(nn.Module):
             )
         core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
         z = z.reshape(core.shape)
-        return linear(self.norm(core, z).flatten(1), self.out_proj.weight)
+        out = self.norm(core, z).flatten(1)
+        if self.tp is not None:
+            return row_parallel_linear(self.tp, out, self.out_proj.weight, None)
+        return linear(out, self.out_proj.weight)
 
     def _mix(
         self,

@@ -115,6 +115,21 @@ def checkpoint_tensor_names(ckpt: Checkpoint) -> list[str]:
     return names
 
 
+def checkpoint_tensor_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a checkpoint holds, without reading them."""
+    if ckpt.state_dict is not None:
+        return {name: tuple(t.shape) for name, t in ckpt.state_dict.items()}
+    shapes = {}
+    for file in ckpt.weight_files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
+    return shapes
+
+
 def shard_tensors(tensors, shards: dict[str, Shard], source: object):
     """(name, tensor) pairs of tensors held whole, each cut to its slice where `shards` names
     it (a tensor-parallel rank's part)."""
@@ -122,7 +137,7 @@ def shard_tensors(tensors, shards: dict[str, Shard], source: object):
         shard = shards.get(name)
         if shard is not None:
             _check_full(name, tensor.shape, shard, source)
-            tensor = tensor[shard.index()]
+            tensor = shard.take(tensor)
         yield name, tensor
 
 
@@ -152,7 +167,7 @@ def iter_checkpoint_tensors(
                         continue
                     part = f.get_slice(name)
                     _check_full(name, part.get_shape(), shard, file)
-                    yield name, part[shard.index()]
+                    yield name, shard.take(part)
         except (SafetensorError, OSError) as e:
             raise ValueError(f"corrupt or unreadable weight file {file}: {e}") from None
 
@@ -227,7 +242,7 @@ def _loaded_part(param: nn.Parameter) -> torch.Tensor:
     shard = param_shard(param)
     if shard is None:
         return param
-    return param.narrow(shard.dim, 0, shard.stop - shard.start)
+    return param.narrow(shard.dim, 0, shard.length)
 
 
 def init_dummy_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockdraft.distributed.tensor_parallel import current_tensor_parallel
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
+from blockdraft.layers.vocab_parallel import embedding, lm_head
 from blockdraft.models.llama import DecoderLM, MLPFactory, dense_mlp
 from blockdraft.models.model_config import MoEConfig, TransformerConfig
 
@@ -142,7 +144,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridDecoderModel(nn.Module):
     def __init__(self, cfg: HybridConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         rotary = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -165,11 +167,11 @@ class Qwen3_5LM(DecoderLM):
         nn.Module.__init__(self)  # DecoderLM's own builds Llama layers
         self.cfg = cfg
         self.model = HybridDecoderModel(cfg, make_mlp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
+        self.tp = current_tensor_parallel()  # None: one process holds the whole model
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.capture_layer_ids: tuple[int, ...] = ()
-        self.tp = None  # one process holds the whole model (check_tensor_parallel_shape)
 
     @property
     def attention_layers(self) -> list[PagedAttention]:

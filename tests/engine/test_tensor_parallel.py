@@ -3,10 +3,14 @@ and seeded-sampled, with and without DFlash; a killed worker makes the engine ra
 workers exit when their driver dies; sizes that do not split the models fail before any worker
 starts; each rank loads only its slice of every sharded tensor. MoE targets: each rank holds
 and reads only its range of the experts, the ranks' partial sums of the routed and shared
-experts add up to one process's output in one all-reduce."""
+experts add up to one process's output in one all-reduce. Hybrid targets: each rank holds and
+reads only its Gated DeltaNet key/value heads (three ranges of the fused q|k|v rows) and its
+gated-attention heads, and generates what one process does."""
 
+import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.config import EngineConfig, check_device_available, check_tensor_parallel_shape
@@ -26,6 +31,7 @@ from blockdraft.distributed.tensor_parallel import (
     building_tensor_parallel,
     param_shard,
 )
+from blockdraft.engine import model_loader
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.layers.moe import SparseMoE
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
@@ -40,11 +46,13 @@ from blockdraft.models.loader import (
     shard_tensors,
 )
 from blockdraft.models.model_config import MoEConfig
+from blockdraft.models.qwen3_5 import Qwen3_5LM
 from blockdraft.models.registry import resolve_architecture
 
 from checkpoints import (
     make_dflash_drafter,
     make_llama_checkpoint,
+    make_qwen3_5_checkpoint,
     make_qwen3_checkpoint,
     make_qwen3_moe_checkpoint,
 )
@@ -450,9 +458,184 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_hybrid_targets_are_refused_under_tensor_parallelism(tmp_path) -> None:
-    from checkpoints import make_qwen3_5_checkpoint
+# -- hybrid (Gated DeltaNet + gated attention) targets ------------------------------------------
 
-    target = make_qwen3_5_checkpoint(tmp_path / "hybrid", num_layers=2)
-    with pytest.raises(ValueError, match="Gated DeltaNet"):
-        LLM(str(target), tensor_parallel_size=2)
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory) -> dict[str, Path]:
+    """Linear, full, linear layers; 4 key / 8 value heads in the linear layers, 4 query / 2 KV
+    heads in the full one (split over 2 ranks, replicated over 4)."""
+    root = tmp_path_factory.mktemp("tp_hybrid")
+    hybrid = make_qwen3_5_checkpoint(
+        root / "hybrid", vocab_size=VOCAB, num_layers=3, linear_heads=(4, 8), seed=7
+    )
+    return {
+        "hybrid": hybrid,
+        "multimodal": _as_multimodal(hybrid, root / "multimodal"),
+        "drafter": make_dflash_drafter(root / "drafter", hybrid, target_layer_ids=[0, 2]),
+    }
+
+
+def _as_multimodal(target: Path, out: Path) -> Path:
+    """`target` as a `Qwen3_5ForConditionalGeneration` checkpoint: its tensors under
+    `model.language_model.*`, beside a vision tower's and an MTP head's."""
+    shutil.copytree(target, out)
+    text = read_json(out / "config.json")
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text, "model_type": "qwen3_5_text"}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = {
+        name.replace("model.", "model.language_model.", 1): t
+        for name, t in load_file(out / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size, speculate", [(2, False), (2, True), (4, True)])
+def test_hybrid_outputs_equal_one_process(hybrid_models, rng, size: int, speculate: bool) -> None:
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (3, 9, 21)]
+    drafter = hybrid_models["drafter"] if speculate else None
+    expected = generate(hybrid_models["hybrid"], drafter, 1, prompts)
+    assert generate(hybrid_models["hybrid"], drafter, size, prompts) == expected
+
+
+@pytest.mark.slow
+def test_multimodal_hybrid_checkpoint_splits(hybrid_models, rng) -> None:
+    """A multimodal checkpoint's language model (tensors renamed as they are read) splits:
+    each rank reads its slices under the checkpoint's names."""
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (5, 8, 17)]
+    expected = generate(hybrid_models["hybrid"], None, 1, prompts)
+    assert generate(hybrid_models["multimodal"], None, 2, prompts) == expected
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_loads_its_hybrid_heads(hybrid_models, size: int) -> None:
+    """Rank r holds key heads and value heads [r*H/N, (r+1)*H/N) of every Gated DeltaNet
+    layer: its q, k and v rows of in_proj_qkv and conv1d (three ranges, read alone), its value
+    rows of in_proj_z/b/a, dt_bias, A_log and out_proj's columns; the gated norm whole; the
+    full attention layer's q_proj keeps each head's query and gate rows together. The fused
+    input GEMM stacks the rank's parts; the ranks' parts cover every tensor."""
+    path = hybrid_models["hybrid"]
+    hf = read_json(path / "config.json")
+    arch = resolve_architecture(hf)
+    cfg = arch.parse_config(hf)
+    full = _full_tensors(path)
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    key_dim, value_dim = hk * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    gdn_name, attn_name = "model.layers.0.linear_attn", "model.layers.1.self_attn"
+
+    def qkv_rows(tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        q, k, v = tensor.split((key_dim, key_dim, value_dim))
+        return torch.cat([t.chunk(size)[rank] for t in (q, k, v)])
+
+    covered: dict[str, list[torch.Tensor]] = {}
+    for rank in range(size):
+        with building_tensor_parallel(TensorParallel(rank, size, group=None)):
+            model = arch.model_class(cfg)
+        params = dict(model.named_parameters())
+        tensors = iter_checkpoint_tensors(read_checkpoint(str(path)), param_shards(params))
+        load_weights(params, tensors, str(path))
+        gdn, attn = model.model.layers[0].linear_attn, model.model.layers[1].self_attn
+        assert (gdn.num_k_heads, gdn.num_v_heads) == (hk // size, hv // size)
+        for part in ("in_proj_qkv", "conv1d"):
+            expected = qkv_rows(full[f"{gdn_name}.{part}.weight"], rank)
+            assert torch.equal(getattr(gdn, part).weight, expected), part
+        for part in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias",
+                     "A_log"):  # fmt: skip
+            expected = full[f"{gdn_name}.{part}"].chunk(size)[rank]
+            assert torch.equal(params[f"{gdn_name}.{part}"], expected), part
+        out = full[f"{gdn_name}.out_proj.weight"].chunk(size, dim=1)[rank]
+        assert torch.equal(gdn.out_proj.weight, out)
+        assert torch.equal(gdn.norm.weight, full[f"{gdn_name}.norm.weight"])
+        q_gate = full[f"{attn_name}.q_proj.weight"].view(cfg.num_heads, 2, cfg.head_dim, -1)
+        assert torch.equal(attn.q_proj.weight, q_gate.chunk(size)[rank].flatten(0, 2))
+        for name, p in params.items():
+            shard = param_shard(p)
+            held = p if shard is None else p.narrow(shard.dim, 0, shard.length)
+            covered.setdefault(name, []).append(held)
+        fuse_projections(model)
+        in_proj = torch.cat([full[f"{gdn_name}.in_proj_{x}.weight"].chunk(size)[rank]
+                             for x in "zba"])  # fmt: skip
+        fused = torch.cat((qkv_rows(full[f"{gdn_name}.in_proj_qkv.weight"], rank), in_proj))
+        assert torch.equal(gdn._in_proj[0], fused)
+    for name in (f"{gdn_name}.in_proj_z.weight", f"{gdn_name}.A_log", f"{attn_name}.q_proj.weight",
+                 "model.layers.2.linear_attn.in_proj_b.weight"):  # fmt: skip
+        assert torch.equal(torch.cat(covered[name]), full[name]), name
+    name = "model.layers.2.linear_attn.out_proj.weight"
+    assert torch.equal(torch.cat(covered[name], dim=1), full[name])
+
+
+@pytest.mark.parametrize(
+    "linear_heads, size, message",
+    [
+        ((2, 4), 4, "its 2 Gated DeltaNet key heads of the target"),
+        ((4, 12), 8, "its 4 Gated DeltaNet key heads and its 12 Gated DeltaNet value heads"),
+    ],
+)
+def test_shape_check_names_linear_heads(linear_heads, size: int, message: str) -> None:
+    shape = dict(num_heads=8, num_kv_heads=8, intermediate_size=64)
+    hybrid = SimpleNamespace(
+        **shape,
+        layer_types=("linear_attention", "full_attention"),
+        linear_num_key_heads=linear_heads[0],
+        linear_num_value_heads=linear_heads[1],
+    )
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel_shape(size, "the target", hybrid)
+    check_tensor_parallel_shape(size, "the target", SimpleNamespace(**shape))
+
+
+class _CopyingHybridLM(Qwen3_5LM):
+    """A family whose renaming makes new tensors (as a regrouping does): no slice can be read
+    for them, so each rank cuts its own from the tensors made."""
+
+    @staticmethod
+    def checkpoint_tensors(tensors):
+        for name, tensor in Qwen3_5LM.checkpoint_tensors(tensors):
+            yield name, tensor.clone()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("source", ["multimodal", "copying"])
+def test_each_rank_loads_its_slices_through_a_renaming(hybrid_models, size, source) -> None:
+    """A family's checkpoint_tensors between the read and the parameters: renamed tensors
+    (a multimodal checkpoint's language model) are read as their slices under the
+    checkpoint's names; tensors it makes are cut after it. Either way every rank holds what
+    it holds from the plain checkpoint."""
+    path = hybrid_models["multimodal" if source == "multimodal" else "hybrid"]
+    ckpt = read_checkpoint(str(path))
+    hf = read_json(hybrid_models["hybrid"] / "config.json")
+    model_cfg = resolve_architecture(hf).parse_config(hf)
+    family = Qwen3_5LM if source == "multimodal" else _CopyingHybridLM
+    read: list[str] = []  # the tensors read as slices, under the checkpoint's names
+
+    def reading(ckpt, shards=None, skip=lambda name: False):
+        read.extend(shards or {})
+        return iter_checkpoint_tensors(ckpt, shards, skip)
+
+    for rank in range(size):
+        read.clear()
+        with building_tensor_parallel(TensorParallel(rank, size, group=None)):
+            model, plain = family(model_cfg), Qwen3_5LM(model_cfg)
+        params, plain_params = dict(model.named_parameters()), dict(plain.named_parameters())
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(model_loader, "iter_checkpoint_tensors", reading)
+            load_weights(
+                params, model_loader.rank_checkpoint_tensors(ckpt, model, params), str(path)
+            )
+        plain_ckpt = read_checkpoint(str(hybrid_models["hybrid"]))
+        load_weights(plain_params, iter_checkpoint_tensors(plain_ckpt, param_shards(plain_params)),
+                     "plain")  # fmt: skip
+        for name, p in params.items():
+            assert torch.equal(p, plain_params[name]), name
+        assert len(read) == (len(param_shards(params)) if source == "multimodal" else 0)
+
+
+def test_linear_heads_that_do_not_split_fail_before_workers_start(tmp_path) -> None:
+    target = make_qwen3_5_checkpoint(tmp_path / "hybrid", num_layers=2, linear_heads=(2, 4))
+    with pytest.raises(ValueError, match="does not divide its 2 Gated DeltaNet key heads"):
+        LLM(str(target), tensor_parallel_size=4)
