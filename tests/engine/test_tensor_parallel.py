@@ -51,6 +51,7 @@ from blockdraft.models.registry import resolve_architecture
 
 from checkpoints import (
     make_dflash_drafter,
+    make_hybrid_moe_checkpoint,
     make_llama_checkpoint,
     make_qwen3_5_checkpoint,
     make_qwen3_checkpoint,
@@ -501,6 +502,18 @@ def test_hybrid_outputs_equal_one_process(hybrid_models, rng, size: int, specula
     drafter = hybrid_models["drafter"] if speculate else None
     expected = generate(hybrid_models["hybrid"], drafter, 1, prompts)
     assert generate(hybrid_models["hybrid"], drafter, size, prompts) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_hybrid_moe_outputs_equal_one_process(tmp_path, rng, family: str) -> None:
+    """Qwen3.5-MoE (routed + gated shared expert) and Qwen3-Next (its fused q/k/v/z and b/a
+    projections regrouped at load, then read as slices) split over 2 ranks: heads and experts."""
+    target = make_hybrid_moe_checkpoint(
+        tmp_path / family, family, vocab_size=VOCAB, num_layers=3, linear_heads=(2, 4), seed=3
+    )
+    prompts = [torch.randint(4, VOCAB, (n,), generator=rng).tolist() for n in (4, 11, 19)]
+    assert generate(target, None, 2, prompts) == generate(target, None, 1, prompts)
 
 
 @pytest.mark.slow
