@@ -76,6 +76,7 @@ class CUDAGraphRunner:
         self.linear_state = linear_state
         self.state_slots = torch.full((self.batch_sizes[-1],), -1, **i64)
         self.fresh = torch.zeros(self.batch_sizes[-1], dtype=torch.bool, device=device)
+        self.captured_meta: dict[int, AttentionMetadata] = {}
 
     def _meta(self, batch: int) -> AttentionMetadata:
         """The forward's metadata over the persistent buffers; built before a capture (the
@@ -115,6 +116,9 @@ class CUDAGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = (graph, out)
+            # Kept alive: the graph reads the metadata's index tensors (a hybrid target's step
+            # batch, built outside the capture) at their captured addresses on every replay.
+            self.captured_meta[batch] = meta
 
     def _eager(self, batch: int, args: tuple[torch.Tensor, torch.Tensor]) -> object:
         with forward_context(self._meta(batch)):
