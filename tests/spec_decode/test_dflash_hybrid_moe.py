@@ -15,6 +15,7 @@ from test_dflash_hybrid import DRAFTER_LAYERS, spec
 from blockdraft import LLM, SamplingParams
 
 from checkpoints import load_hf_target, make_dflash_drafter, make_hybrid_moe_checkpoint
+from sampling_checks import assert_same_token_law, seeded_samples
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
@@ -78,3 +79,18 @@ def test_first_drafts_match_zlab(tmp_path: Path, family: str, rng) -> None:
     llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
+
+
+@pytest.mark.slow
+def test_sampling_is_lossless(tmp_path: Path) -> None:
+    """Seeded samples of the tokens that come from verify agree in distribution between plain
+    decoding and speculation on a Qwen3.5-MoE target (two-sample chi-square)."""
+    target = make_hybrid_moe_checkpoint(tmp_path / "target", "qwen3_5_moe", num_layers=4)
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=4, **DRAFTER_LAYERS)
+    prompt, num = [5, 17, 33, 8], 1500
+    kw = dict(max_num_seqs=256, max_model_len=32)
+    ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6)
+    llm = LLM(str(target), speculative_config=spec(drafter, 3), **kw)
+    sd = seeded_samples(llm, prompt, num, top_k=6)
+    assert llm.engine.spec_stats.num_drafts > 0
+    assert_same_token_law(ar, sd, (1, 2))
