@@ -120,12 +120,15 @@ class DecoderModel(nn.Module):
 class DecoderLM(nn.Module):
     """Target model. `forward` also returns the hidden states after the decoder layers listed in
     `capture_layer_ids` (DFlash target features), concatenated, taken in the same pass.
-    `make_mlp` builds each layer's MLP (families with sparse layers pass their own)."""
+    `make_mlp` builds each layer's MLP (families with sparse layers pass their own);
+    `model_class` the layer stack (families with other layers set their own)."""
+
+    model_class: type[nn.Module] = DecoderModel
 
     def __init__(self, cfg: TransformerConfig, make_mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DecoderModel(cfg, make_mlp)
+        self.model = self.model_class(cfg, make_mlp)
         self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
         self.tp = current_tensor_parallel()  # None: one process holds the whole model
         if cfg.tie_word_embeddings:

@@ -19,13 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from blockdraft.distributed.tensor_parallel import current_tensor_parallel
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.layers.vocab_parallel import embedding, lm_head
+from blockdraft.layers.vocab_parallel import embedding
 from blockdraft.models.llama import DecoderLM, MLPFactory, dense_mlp
 from blockdraft.models.model_config import MoEConfig, TransformerConfig
 
@@ -163,15 +162,7 @@ class Qwen3_5LM(DecoderLM):
     """`DecoderLM` (forward with DFlash feature capture, logits) over hybrid layers; `make_mlp`
     builds each layer's MLP (the MoE families pass their own)."""
 
-    def __init__(self, cfg: HybridConfig, make_mlp: MLPFactory = dense_mlp) -> None:
-        nn.Module.__init__(self)  # DecoderLM's own builds Llama layers
-        self.cfg = cfg
-        self.model = HybridDecoderModel(cfg, make_mlp)
-        self.lm_head = lm_head(cfg.hidden_size, cfg.vocab_size)
-        self.tp = current_tensor_parallel()  # None: one process holds the whole model
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.capture_layer_ids: tuple[int, ...] = ()
+    model_class = HybridDecoderModel
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
