@@ -43,7 +43,6 @@ import torch
 from gguf.constants import GGMLQuantizationType
 
 from blockdraft.models.drafter_checkpoint import DrafterCheckpoint
-from blockdraft.models.gguf_loader import _rope_scaling, _uniform
 from blockdraft.models.gguf_reader import (
     HEADER_BYTES,
     FormatError,
@@ -52,7 +51,9 @@ from blockdraft.models.gguf_reader import (
     dequantize,
     get_meta,
     read_header,
+    rope_scaling_meta,
     tensor_extent,
+    uniform_meta_int,
 )
 
 ARCH = "dflash"
@@ -186,9 +187,11 @@ def _build_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> d
     def meta(key: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
         return get_meta(metadata, f"{ARCH}.{key}", kind, default)
 
-    hidden = _uniform(meta("embedding_length", int), "embedding_length")
-    heads = _uniform(meta("attention.head_count", (int, list)), "head_count")
-    kv_heads = _uniform(meta("attention.head_count_kv", (int, list), heads), "head_count_kv")
+    hidden = uniform_meta_int(meta("embedding_length", int), "embedding_length")
+    heads = uniform_meta_int(meta("attention.head_count", (int, list)), "head_count")
+    kv_heads = uniform_meta_int(
+        meta("attention.head_count_kv", (int, list), heads), "head_count_kv"
+    )
     head_dim = meta("attention.key_length", int, hidden // heads)
     if meta("attention.value_length", int, head_dim) != head_dim:
         raise UnsupportedError("attention.value_length differs from attention.key_length")
@@ -208,7 +211,9 @@ def _build_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> d
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": hidden,
-        "intermediate_size": _uniform(meta("feed_forward_length", (int, list)), "feed_forward"),
+        "intermediate_size": uniform_meta_int(
+            meta("feed_forward_length", (int, list)), "feed_forward"
+        ),
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -216,7 +221,7 @@ def _build_config(metadata: dict[str, Any], tensors: dict[str, TensorInfo]) -> d
         "hidden_act": "silu",
         "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon", float)),
         "rope_theta": float(meta("rope.freq_base", (int, float), 10000.0)),
-        "rope_scaling": _rope_scaling(metadata, ARCH),
+        "rope_scaling": rope_scaling_meta(metadata, ARCH),
         "max_position_embeddings": meta("context_length", int),
         "vocab_size": _vocab_size(metadata, tensors),
         "tie_word_embeddings": False,

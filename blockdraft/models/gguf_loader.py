@@ -33,7 +33,9 @@ from blockdraft.models.gguf_reader import (
     dequantize,
     get_meta,
     read_header,
+    rope_scaling_meta,
     tensor_extent,
+    uniform_meta_int,
 )
 from blockdraft.models.gguf_tokenizer import build_tokenizer
 from blockdraft.models.registry import GGUF_ARCHITECTURES
@@ -208,36 +210,6 @@ def _unpermute_rope_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
-def _uniform(value: Any, key: str) -> int:
-    # Some converters write a per-layer list; Hugging Face configs only hold one number.
-    if isinstance(value, list):
-        if not value or len(set(value)) != 1:
-            raise UnsupportedError(f"{key} varies per layer ({value}), which is not supported")
-        value = value[0]
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise FormatError(f"metadata {key!r} has unexpected value {value!r}")
-    return value
-
-
-def _rope_scaling(metadata: dict[str, Any], arch: str) -> dict | None:
-    kind = get_meta(metadata, f"{arch}.rope.scaling.type", str, "none")
-    if kind == "none":
-        return None
-    factor = float(get_meta(metadata, f"{arch}.rope.scaling.factor", (int, float)))
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
-        orig = metadata.get(f"{arch}.rope.scaling.original_context_length")
-        if orig is not None:
-            scaling["original_max_position_embeddings"] = int(orig)
-        for src, dst in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-            if f"{arch}.rope.scaling.{src}" in metadata:
-                scaling[dst] = float(metadata[f"{arch}.rope.scaling.{src}"])
-        return scaling
-    raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported (linear, yarn)")
-
-
 def _moe_config(metadata: dict[str, Any], arch: str) -> dict:
     """The Hugging Face MoE fields of an architecture whose every layer routes."""
     experts = get_meta(metadata, f"{arch}.expert_count", int)
@@ -247,7 +219,7 @@ def _moe_config(metadata: dict[str, Any], arch: str) -> dict:
     return {
         "num_experts": experts,
         "num_experts_per_tok": used,
-        "moe_intermediate_size": _uniform(
+        "moe_intermediate_size": uniform_meta_int(
             get_meta(metadata, f"{arch}.expert_feed_forward_length", (int, list)),
             "expert_feed_forward_length",
         ),
@@ -262,9 +234,11 @@ def _build_config(
     metadata: dict[str, Any], spec: _ArchSpec, tensors: dict[str, TensorInfo]
 ) -> dict:
     a = MODEL_ARCH_NAMES[spec.arch]
-    hidden = _uniform(get_meta(metadata, f"{a}.embedding_length", int), "embedding_length")
-    heads = _uniform(get_meta(metadata, f"{a}.attention.head_count", (int, list)), "head_count")
-    kv_heads = _uniform(
+    hidden = uniform_meta_int(get_meta(metadata, f"{a}.embedding_length", int), "embedding_length")
+    heads = uniform_meta_int(
+        get_meta(metadata, f"{a}.attention.head_count", (int, list)), "head_count"
+    )
+    kv_heads = uniform_meta_int(
         get_meta(metadata, f"{a}.attention.head_count_kv", (int, list), heads), "head_count_kv"
     )
     head_dim = get_meta(metadata, f"{a}.attention.key_length", int, None)
@@ -299,7 +273,7 @@ def _build_config(
         "architectures": [GGUF_ARCHITECTURES[a]],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": _uniform(ffn, "feed_forward_length"),
+        "intermediate_size": uniform_meta_int(ffn, "feed_forward_length"),
         "num_hidden_layers": get_meta(metadata, f"{a}.block_count", int),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
@@ -308,7 +282,7 @@ def _build_config(
         "rms_norm_eps": float(get_meta(metadata, f"{a}.attention.layer_norm_rms_epsilon", float)),
         # llama.cpp falls back to 10000 when a converter omits the base.
         "rope_theta": float(get_meta(metadata, f"{a}.rope.freq_base", (int, float), 10000.0)),
-        "rope_scaling": _rope_scaling(metadata, a),
+        "rope_scaling": rope_scaling_meta(metadata, a),
         "vocab_size": vocab,
         "max_position_embeddings": get_meta(metadata, f"{a}.context_length", int),
         # llama.cpp writes an output matrix only when it differs from the embedding.

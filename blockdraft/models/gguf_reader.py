@@ -256,3 +256,35 @@ def get_meta(metadata: dict[str, Any], key: str, kind: type | tuple[type, ...], 
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
+
+
+def uniform_meta_int(value: Any, key: str) -> int:
+    """A positive integer metadata value; a per-layer list must hold one value throughout."""
+    # Some converters write a per-layer list; Hugging Face configs only hold one number.
+    if isinstance(value, list):
+        if not value or len(set(value)) != 1:
+            raise UnsupportedError(f"{key} varies per layer ({value}), which is not supported")
+        value = value[0]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise FormatError(f"metadata {key!r} has unexpected value {value!r}")
+    return value
+
+
+def rope_scaling_meta(metadata: dict[str, Any], arch: str) -> dict | None:
+    """The Hugging Face `rope_scaling` of `arch`'s metadata (None: no scaling)."""
+    kind = get_meta(metadata, f"{arch}.rope.scaling.type", str, "none")
+    if kind == "none":
+        return None
+    factor = float(get_meta(metadata, f"{arch}.rope.scaling.factor", (int, float)))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        scaling: dict[str, Any] = {"rope_type": "yarn", "factor": factor}
+        orig = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if orig is not None:
+            scaling["original_max_position_embeddings"] = int(orig)
+        for src, dst in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            if f"{arch}.rope.scaling.{src}" in metadata:
+                scaling[dst] = float(metadata[f"{arch}.rope.scaling.{src}"])
+        return scaling
+    raise UnsupportedError(f"RoPE scaling type {kind!r} is not supported (linear, yarn)")
