@@ -21,14 +21,6 @@ def _attention_params(cfg: dict) -> int:
     return h * (q + 2 * kv) + q * h
 
 
-def dense_bytes_per_token(cfg: dict) -> int:
-    """bf16 bytes of a dense decoder's weights one token reads: every layer's attention and MLP
-    projections and the LM head; the embedding is gathered (one row per token)."""
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    per_layer = _attention_params(cfg) + 3 * h * inter
-    return 2 * (layers * per_layer + cfg["vocab_size"] * h)
-
-
 def expected_distinct_experts(num_experts: int, top_k: int, num_tokens: int) -> float:
     """Mean number of distinct experts `num_tokens` tokens choose when each picks `top_k` of
     `num_experts` uniformly at random (random weights route about uniformly)."""
@@ -84,9 +76,10 @@ def moe_bytes_per_token(cfg: dict) -> int:
     return moe_bytes_per_step(cfg, 1)
 
 
-def hybrid_bytes_per_token(cfg: dict) -> int:
-    """`dense_bytes_per_token` for a hybrid (Qwen3.5) decoder: its mixers (`mixer_bytes`: gated
-    full attention, Gated DeltaNet and its states), every layer's dense MLP and the LM head."""
+def dense_bytes_per_token(cfg: dict) -> int:
+    """bf16 bytes a dense-MLP decoder's batch-1 token reads: its mixers (`mixer_bytes`:
+    attention, or a hybrid's gated full attention, Gated DeltaNet and its states), every
+    layer's MLP and the LM head; the embedding is gathered (one row per token)."""
     h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     weights = layers * 3 * h * cfg["intermediate_size"] + cfg["vocab_size"] * h
     return mixer_bytes(cfg) + 2 * weights
@@ -229,7 +222,7 @@ SHAPES: dict[str, BenchShape] = {
         # z-lab/Qwen3-Coder-30B-A3B-DFlash: an 8-layer drafter (~0.5B parameters besides the
         # target's embedding and head).
         BenchShape("qwen3-30b-a3b", QWEN3_CODER_30B_A3B, moe_bytes_per_token, drafter_layers=8),
-        BenchShape("qwen3.5-27b", QWEN3_5_27B, hybrid_bytes_per_token),
+        BenchShape("qwen3.5-27b", QWEN3_5_27B, dense_bytes_per_token),
         # z-lab/Qwen3.5-35B-A3B-DFlash weighs ~0.9 GB in bf16: about 8 layers at this width.
         BenchShape("qwen3.5-35b-a3b", QWEN3_5_35B_A3B, moe_bytes_per_token, drafter_layers=8),
     )
