@@ -59,9 +59,9 @@ def agreeing_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, drafter
 
 
-def zlab_on_hybrid(target: Path, drafter: Path, prompt: list[int], max_new: int, block: int):
-    """`zlab_generate` with the cache fix transformers 5.25 needs for linear-attention layers:
-    z-lab 0.1.0 activates past recording without `recurrent_states_to_keep`."""
+def zlab_hybrid_cache(block: int):
+    """A patch of z-lab's cache for linear-attention targets: z-lab 0.1.0 activates past
+    recording without `recurrent_states_to_keep`, which transformers 5.25 needs."""
     import dflash.model as zlab
 
     def make_cache(config):
@@ -69,8 +69,28 @@ def zlab_on_hybrid(target: Path, drafter: Path, prompt: list[int], max_new: int,
         cache.activate_past_recording(recurrent_states_to_keep=block)
         return cache
 
-    with mock.patch.object(zlab, "_make_cache", make_cache):
+    return mock.patch.object(zlab, "_make_cache", make_cache)
+
+
+def zlab_on_hybrid(target: Path, drafter: Path, prompt: list[int], max_new: int, block: int):
+    """`zlab_generate` on a hybrid target (`zlab_hybrid_cache`)."""
+    with zlab_hybrid_cache(block):
         return zlab_generate(target, drafter, prompt, max_new_tokens=max_new)
+
+
+def assert_first_drafts_match_zlab(target: Path, drafter: Path, prompt: list[int]) -> None:
+    """The drafter's first logits (block 8) on the hybrid target's captured features equal
+    z-lab's on transformers' model."""
+    from checkpoints import zlab_first_draft_logits
+
+    with zlab_hybrid_cache(8):
+        ref = zlab_first_draft_logits(target, drafter, prompt)
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
+    seen: list[torch.Tensor] = []
+    original = llm.engine.proposer.drafter.compute_logits
+    llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
 
 
 @pytest.mark.parametrize("kind", ["varying-acceptance", "random"])
@@ -192,27 +212,9 @@ def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng) -> None:
     import json
     import shutil
 
-    import dflash.model as zlab
-
-    from checkpoints import zlab_first_draft_logits
-
     target, drafter = random_pair
     prompt = torch.randint(4, 128, (21,), generator=rng).tolist()
-
-    def make_cache(config):
-        cache = DynamicCache(config=config)
-        cache.activate_past_recording(recurrent_states_to_keep=8)
-        return cache
-
-    with mock.patch.object(zlab, "_make_cache", make_cache):
-        ref = zlab_first_draft_logits(target, drafter, prompt)
-    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
-    seen: list[torch.Tensor] = []
-    proposer = llm.engine.proposer
-    original = proposer.drafter.compute_logits
-    proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert_first_drafts_match_zlab(target, drafter, prompt)
     off = shutil.copytree(drafter, tmp_path / "unwindowed")
     cfg = json.loads((off / "config.json").read_text())
     (off / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": False}))

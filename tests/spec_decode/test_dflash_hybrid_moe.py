@@ -6,11 +6,10 @@ length (synthetic acceptance keeps random prefixes)."""
 from __future__ import annotations
 
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
-from test_dflash_hybrid import DRAFTER_LAYERS, spec
+from test_dflash_hybrid import DRAFTER_LAYERS, assert_first_drafts_match_zlab, spec
 
 from blockdraft import LLM, SamplingParams
 
@@ -56,29 +55,11 @@ def test_greedy_lossless_and_bonus_tokens(tmp_path: Path, family: str, rng) -> N
 def test_first_drafts_match_zlab(tmp_path: Path, family: str, rng) -> None:
     """The drafter's first logits on the MoE target's captured features equal z-lab's (on
     transformers' model): the features come from the right layers through the experts."""
-    import dflash.model as zlab
-    from transformers import DynamicCache
-
-    from checkpoints import zlab_first_draft_logits
-
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     target = make_hybrid_moe_checkpoint(tmp_path / "target", family, num_layers=4, seed=seed)
     drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=8, **DRAFTER_LAYERS)
     prompt = torch.randint(4, 128, (13,), generator=rng).tolist()
-
-    def make_cache(config):
-        cache = DynamicCache(config=config)
-        cache.activate_past_recording(recurrent_states_to_keep=8)
-        return cache
-
-    with mock.patch.object(zlab, "_make_cache", make_cache):
-        ref = zlab_first_draft_logits(target, drafter, prompt)
-    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
-    seen: list[torch.Tensor] = []
-    original = llm.engine.proposer.drafter.compute_logits
-    llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
-    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
+    assert_first_drafts_match_zlab(target, drafter, prompt)
 
 
 @pytest.mark.slow
