@@ -70,7 +70,9 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
     original = drafter_module.compute_logits
     drafter_module.compute_logits = lambda h: seen_logits.append(original(h)) or seen_logits[-1]
     proposals = spy_proposals(llm)
-    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_new), use_tqdm=False)
+    out = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False
+    )
     rel = (seen_logits[0] - ref_logits).abs().max() / ref_logits.abs().max()
     assert rel < 1e-4
     assert proposals[0][0].tolist() == ref_proposals
