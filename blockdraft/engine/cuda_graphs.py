@@ -2,8 +2,8 @@
 at every batch bucket; verify (the target's, held by the model runner) and propose (the
 drafter's, held by the proposer) of 1+N rows for each N of the draft schedule, at the buckets of
 the batch sizes that use that N; a hybrid target's state commit after a verify at every
-bucket. All share one memory pool. Off CUDA the graphs are eager twins
-(tests)."""
+bucket. All share one memory pool but the commit's (see capture_graphs). Off CUDA the graphs
+are eager twins (tests)."""
 
 from __future__ import annotations
 
@@ -41,11 +41,14 @@ def capture_graphs(
 
     capture_target(1, batch_sizes)
     if runner.has_linear_state and draft_schedule:
+        # A pool of its own: graphs sharing a pool may reuse the scratch memory of those
+        # captured before them for their outputs, which is sound only when they replay in
+        # capture order. A commit replays between a verify (captured later) and the drafter
+        # that reads the verify's features: in the shared pool its scratch overwrote them.
         runner.commit_graphs = CommitGraphs(
-            runner.model.commit_verified, batch_sizes, runner.device, pool
+            runner.model.commit_verified, batch_sizes, runner.device
         )
         runner.commit_graphs.capture()
-        pool = runner.commit_graphs.pool
     for n in draft_schedule.all_num_drafts if draft_schedule else []:
         if n == 0:  # no drafts: the steps after are plain decodes (graphs[1])
             continue

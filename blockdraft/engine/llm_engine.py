@@ -115,13 +115,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
         self.capture_time_s = self.warmup_time_s = 0.0
-        if hybrid and self.device.type == "cuda" and not config.enforce_eager:
-            # Replaying a hybrid target's captured step crashed the process on the H200 (a
-            # segfault in the first warm-up replay) while the captured step's index tensors were
-            # freed after capture (now kept: CUDAGraphRunner.captured_meta); eager steps run
-            # until a GPU run shows the replay sound.
-            logger.info("CUDA graphs are off for hybrid (linear-attention) models")
-        elif self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
         if self.device.type == "cuda":  # Triton compiles now rather than mid-serving
             self.warm_up()
