@@ -123,6 +123,17 @@ QWEN3_8B = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen/Qwen3-32B's config.json: the dense shape the tensor-parallel runs split (64 query and 8
+# KV heads, so up to 8 ranks hold whole KV heads).
+QWEN3_32B = {
+    **QWEN3_8B,
+    "hidden_size": 5120,
+    "intermediate_size": 25600,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
+
 # Qwen/Qwen3-Coder-30B-A3B-Instruct's config.json (the fields the engine and transformers read).
 QWEN3_CODER_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"],
@@ -219,6 +230,7 @@ SHAPES: dict[str, BenchShape] = {
     shape.name: shape
     for shape in (
         BenchShape("qwen3-8b", QWEN3_8B, dense_bytes_per_token),
+        BenchShape("qwen3-32b", QWEN3_32B, dense_bytes_per_token),
         # z-lab/Qwen3-Coder-30B-A3B-DFlash: an 8-layer drafter (~0.5B parameters besides the
         # target's embedding and head).
         BenchShape("qwen3-30b-a3b", QWEN3_CODER_30B_A3B, moe_bytes_per_token, drafter_layers=8),
