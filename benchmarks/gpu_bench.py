@@ -261,22 +261,25 @@ def ablate(
     return rows
 
 
-def profile_steps(llm: LLM, prompt: list[int], steps: int, label: str) -> list[list]:
-    """Top CUDA kernels and the host/device split of `steps` batch-1 engine steps."""
+def profile_steps(
+    llm: LLM, prompt: list[int], steps: int, label: str, batch: int = 1, top: int = 8
+) -> list[list]:
+    """The `top` CUDA kernels and the host/device split of `steps` engine steps of `batch`
+    requests."""
     from torch.profiler import ProfilerActivity, profile
 
-    start_requests(llm, prompt, 1, warm_steps=8)
+    start_requests(llm, prompt, batch, warm_steps=8)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = now()
         for _ in range(steps):
             llm.engine.step()
         wall_ms = (now() - t0) * 1e3 / steps
-    stop_requests(llm, 1)
+    stop_requests(llm, batch)
     kernels = device_kernels(prof)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
     rows = [[label, "step wall", wall_ms], [label, "GPU busy", gpu_ms]]
-    rows += [[label, e.key[:60], e.self_device_time_total / 1e3 / steps] for e in kernels[:8]]
+    rows += [[label, e.key[:60], e.self_device_time_total / 1e3 / steps] for e in kernels[:top]]
     return rows
 
 

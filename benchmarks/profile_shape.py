@@ -1,0 +1,41 @@
+"""Where a decode step's GPU time goes on a model shape (benchmarks/shapes.py, random bf16
+weights): the top kernels of AR steps at each batch size, under the engine's CUDA graphs.
+
+    python -m benchmarks.profile_shape --shape qwen3.5-27b [--batches 1 32] [--top 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table  # noqa: E402
+from benchmarks.gpu_bench import profile_steps  # noqa: E402
+from benchmarks.shapes import SHAPES  # noqa: E402
+from blockdraft import LLM  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--prompt-len", type=int, default=512)
+    args = p.parse_args()
+    target, _ = SHAPES[args.shape].dirs()
+    prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
+    llm = LLM(str(target), load_format="dummy", max_model_len=args.prompt_len + 256,
+              max_num_seqs=max(args.batches))  # fmt: skip
+    rows = []
+    for batch in args.batches:
+        rows += profile_steps(llm, prompt, args.steps, f"AR batch {batch}", batch, args.top)
+    print_table(f"{args.shape}: ms per step", ["steps", "kernel", "ms"], rows)
+
+
+if __name__ == "__main__":
+    main()
