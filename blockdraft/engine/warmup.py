@@ -59,7 +59,7 @@ def warmup_shapes(max_model_len: int, max_num_seqs: int) -> list[tuple[int, int,
 def warm_up_eager_steps(
     runner: ModelRunner,
     draft_launcher: DraftLauncher | None,
-    draft_schedule: DraftSchedule | None,  # every N the drafts may be proposed with (0: none)
+    draft_schedule: DraftSchedule | None,  # its Ns: every N drafts may be proposed with
     max_model_len: int,
     max_num_seqs: int,
     lookahead: int,  # rows past the last token a step may write (DFlash's block)
