@@ -251,6 +251,7 @@ def test_kv_cache_too_small_is_worded_in_bytes(pair) -> None:
 # -- options that would be ignored --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_num_speculative_tokens_without_draft(pair, capsys) -> None:
     """Applies to the default target's shipped drafter; rejected where no drafter is known or
     speculation is off."""

@@ -128,3 +128,40 @@ def live_rows(
     return [launched.chunks[i] for i in live], StepOutput(
         [tokens[i] for i in live], [accepted[i] for i in live]
     )
+
+
+class DecodePipeline:
+    """The engine's steps under async_decode: holds the decode step launched ahead and not read
+    back yet (`inflight`), and reads back one step per `advance`, which the engine processes as
+    any step."""
+
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
+        self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
+        self.block_manager = scheduler.block_manager
+        self.inflight: InflightDecode | None = None
+
+    def advance(self) -> tuple[list[ScheduledChunk], StepOutput] | None:
+        """Reads back the step launched ahead last call (or launches a scheduled one), first
+        launching the next decode step when it is known; None when nothing is scheduled."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            launched = inflight.launched
+        else:
+            chunks = self.scheduler.schedule()
+            if not chunks:
+                return None
+            launched = self.runner.launch(chunks)
+        self.inflight = launch_decode_ahead(
+            launched, self.runner, self.scheduler, self.block_manager, self.max_model_len
+        )
+        result = self.runner.finish(launched)  # still the step's one device-to-host read
+        return live_rows(launched, result)
+
+    def drop_finished_rows(self) -> None:
+        """Gives back the blocks of the in-flight rows of requests that finished; forgets the
+        in-flight step when no row is left (its queued work needs no readback)."""
+        if self.inflight is None:
+            return
+        return_blocks_of_finished(self.inflight, self.block_manager)
+        if not self.inflight.has_live_rows:
+            self.inflight = None

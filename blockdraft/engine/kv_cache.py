@@ -4,14 +4,55 @@ state slots come out of the same memory budget first (`state_bytes`)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from blockdraft.config import EngineConfig
+from blockdraft.distributed.tensor_parallel import TensorParallel
+from blockdraft.engine.block_manager import BlockManager
+from blockdraft.engine.model_loader import LoadedModels
 from blockdraft.layers.attention import PagedAttention
+
+logger = logging.getLogger(__name__)
 
 # Split-K counters per attention layer (PagedAttention.split_counters): split-K only runs where
 # num_seqs * num_kv_heads programs leave SMs idle, so this covers any GPU's SM count.
 SPLIT_COUNTERS = 1024
+
+
+def allocate_kv_pool(
+    config: EngineConfig, loaded: LoadedModels, device: torch.device, tp: TensorParallel | None
+) -> BlockManager:
+    """Sizes the pool, allocates it in the target's and the drafter's attention layers (and a
+    hybrid target's state slots) and returns the block manager over it."""
+    model, max_model_len, lookahead = loaded.model, loaded.max_model_len, loaded.lookahead
+    layers = list(model.attention_layers)
+    if loaded.drafter is not None:
+        layers += loaded.drafter.attention_layers
+    # Hybrid models: a state slot per running request, plus a spare that rows of requests
+    # without one (warm-up) use.
+    hybrid = hasattr(model, "allocate_states")
+    num_slots = config.max_num_seqs + 1 if hybrid else 0
+    state_bytes = num_slots and num_slots * model.state_bytes(config.torch_dtype, lookahead)
+    num_blocks = num_kv_blocks(config, layers, device, max_model_len, lookahead, state_bytes)
+    if tp is not None:  # one block table for every rank's pool
+        num_blocks = tp.min_over_ranks(num_blocks, device)
+    allocate_kv_cache(layers, num_blocks, config.block_size, config.torch_dtype, device)
+    if hybrid:
+        model.allocate_states(num_slots, lookahead, config.torch_dtype, device)
+    prefix_caching = config.enable_prefix_caching and not hybrid
+    if hybrid and config.enable_prefix_caching:
+        logger.info(
+            "prefix caching is off: the model's linear-attention layers keep one recurrent "
+            "state per request, not one per cached block"
+        )
+    return BlockManager(
+        num_blocks,
+        config.block_size,
+        prefix_caching,
+        num_state_slots=config.max_num_seqs if hybrid else 0,
+    )
 
 
 def allocate_kv_cache(

@@ -9,18 +9,12 @@ import time
 import torch
 
 from blockdraft.config import EngineConfig
-from blockdraft.distributed.tensor_parallel import TensorParallel, building_tensor_parallel
-from blockdraft.engine.async_decode import (
-    InflightDecode,
-    launch_decode_ahead,
-    live_rows,
-    return_blocks_of_finished,
-)
-from blockdraft.engine.block_manager import BlockManager
+from blockdraft.distributed.tensor_parallel import TensorParallel
+from blockdraft.engine.async_decode import DecodePipeline
 from blockdraft.engine.cuda_graphs import capture_graphs, default_batch_sizes
 from blockdraft.engine.input_processor import InputProcessor
-from blockdraft.engine.kv_cache import allocate_kv_cache, max_blocks_per_seq, num_kv_blocks
-from blockdraft.engine.model_loader import check_tensor_parallel, load_models
+from blockdraft.engine.kv_cache import allocate_kv_pool, max_blocks_per_seq
+from blockdraft.engine.model_loader import load_rank_models
 from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
 from blockdraft.engine.output_processor import OutputProcessor
 from blockdraft.engine.scheduler import ScheduledChunk, Scheduler
@@ -31,10 +25,8 @@ from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
-from blockdraft.spec_decode.draft_launch import DraftLauncher, LaunchedDrafts
-from blockdraft.spec_decode.draft_length import DraftLengthChooser
-from blockdraft.spec_decode.drafts import PendingDrafts
-from blockdraft.spec_decode.proposer import DFlashProposer
+from blockdraft.spec_decode.draft_launch import LaunchedDrafts
+from blockdraft.spec_decode.speculator import build_speculator
 
 logger = logging.getLogger(__name__)
 
@@ -46,74 +38,35 @@ class LLMEngine:
         starts the workers."""
         self.workers: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1 and tp is None:
-            check_tensor_parallel(config)  # before any worker starts
             self.workers = TensorParallelWorkers(config)
-            tp = self.workers.tp
-        try:
+            with self.workers.aborting_on_failure():
+                self._start(config, self.workers.tp)
+        else:
             self._start(config, tp)
-        except BaseException:
-            if self.workers is not None:
-                self.workers.abort("the engine failed to start")
-            raise
 
     def _start(self, config: EngineConfig, tp: TensorParallel | None) -> None:
         t0 = time.perf_counter()
         self.config, self.kernel_policy = config, config.kernel_policy
         self.device = torch.device(config.device)
         self.tp = tp
-        if tp is not None:
-            # Every rank draws the same random numbers (dummy weights of replicated layers,
-            # the synthetic acceptance's coins).
-            torch.manual_seed(config.seed)
-        with building_tensor_parallel(tp):  # None: unsharded
-            loaded = load_models(config, self.device)
+        loaded = load_rank_models(config, self.device, tp)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.generation_defaults = loaded.generation_defaults
         self.eos_token_ids = loaded.eos_token_ids
         self.max_model_len, self.num_spec = loaded.max_model_len, loaded.num_spec
         self.draft_schedule, self.lookahead = loaded.draft_schedule, loaded.lookahead
-        # N per step: the schedule's for the batch size, or ("auto") chosen from the requests'
-        # acceptance and the step costs.
-        self.draft_length = self.draft_schedule and DraftLengthChooser.for_device(
-            self.draft_schedule, self.device.type
-        )
         rate = getattr(config.speculative_config, "synthetic_acceptance_rate", None)
         self.runner = ModelRunner(self.model, config.block_size, self.device, rate)
-        self.proposer: DFlashProposer | None = None
-        self.draft_launcher: DraftLauncher | None = None
-        attention_layers = list(self.model.attention_layers)
-        if loaded.drafter is not None:
-            self.proposer = DFlashProposer(loaded.drafter, config.block_size)
-            self.draft_launcher = DraftLauncher(self.proposer, self.runner.sampling, self.device)
-            attention_layers += loaded.drafter.attention_layers
-        kv_layers, bs = attention_layers, config.block_size
-        # Hybrid models: a state slot per running request, plus a spare that rows of requests
-        # without one (warm-up) use.
-        hybrid = hasattr(self.model, "allocate_states")
-        num_slots = config.max_num_seqs + 1 if hybrid else 0
-        state_bytes = num_slots and num_slots * self.model.state_bytes(
-            config.torch_dtype, self.lookahead
-        )
-        num_blocks = num_kv_blocks(
-            config, kv_layers, self.device, self.max_model_len, self.lookahead, state_bytes
-        )
-        if tp is not None:  # one block table for every rank's pool
-            num_blocks = tp.min_over_ranks(num_blocks, self.device)
-        allocate_kv_cache(kv_layers, num_blocks, bs, config.torch_dtype, self.device)
-        if hybrid:
-            self.model.allocate_states(num_slots, self.lookahead, config.torch_dtype, self.device)
-        prefix_caching = config.enable_prefix_caching and not hybrid
-        if hybrid and config.enable_prefix_caching:
-            logger.info(
-                "prefix caching is off: the model's linear-attention layers keep one recurrent "
-                "state per request, not one per cached block"
-            )
-        self.block_manager = BlockManager(
-            num_blocks, bs, prefix_caching, num_state_slots=config.max_num_seqs if hybrid else 0
-        )
+        self.proposer, self.draft_launcher, self.draft_length = build_speculator(
+            loaded.drafter, self.draft_schedule, self.runner.sampling, config.block_size,
+            self.device,
+        )  # fmt: skip
+        self.block_manager = allocate_kv_pool(config, loaded, self.device, tp)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
+        # async_decode: the decode step launched ahead and not read back yet (see async_decode).
+        self.decode_pipeline = DecodePipeline(self.runner, self.scheduler, self.max_model_len)
         self.capture_time_s = self.warmup_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
@@ -127,8 +80,6 @@ class LLMEngine:
         # Streaming needs the text of running requests every step; offline generation reads it
         # only when a request finishes (stop strings are checked either way).
         self.detokenize_running = True
-        # async_decode: the decode step launched ahead and not read back yet (see async_decode).
-        self._inflight: InflightDecode | None = None
         self.load_time_s = time.perf_counter() - t0
         gpu = f" (CUDA graphs {self.capture_time_s:.1f} s, warm-up {self.warmup_time_s:.1f} s)"
         logger.info(
@@ -148,9 +99,8 @@ class LLMEngine:
         """Runs the eager steps whose kernel variants graph capture does not compile
         (blockdraft/engine/warmup.py)."""
         t0 = time.perf_counter()
-        num_drafts = self.draft_schedule.all_num_drafts if self.draft_schedule else []
         warm_up_eager_steps(
-            self.runner, self.draft_launcher, num_drafts, self.max_model_len,
+            self.runner, self.draft_launcher, self.draft_schedule, self.max_model_len,
             self.config.max_num_seqs, self.lookahead,
         )  # fmt: skip
         self.warmup_time_s = time.perf_counter() - t0
@@ -174,11 +124,11 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
-            if self._inflight is not None:  # its row there is discarded when read back
-                self._drop_finished_inflight_rows()
+            # Its row in a decode step launched ahead is discarded when read back.
+            self.decode_pipeline.drop_finished_rows()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        return self.scheduler.has_unfinished() or self.decode_pipeline.inflight is not None
 
     @property
     def num_running(self) -> int:
@@ -270,10 +220,9 @@ class LLMEngine:
         if drafts is not None:
             # The drafts stay on the device; each surviving proposer keeps its row for its
             # next verify, finished ones drop theirs.
-            for row, i in enumerate(drafts.proposers):
-                seq = chunks[i].seq
-                if not seq.is_finished:
-                    seq.drafts = PendingDrafts(drafts.batch, row)
+            for i, pending in drafts.pending():
+                if not chunks[i].seq.is_finished:
+                    chunks[i].seq.drafts = pending
         outputs = []
         for seq in touched:
             if seq.is_finished:
@@ -285,28 +234,11 @@ class LLMEngine:
 
     # -- async decode (EngineConfig.async_decode; see blockdraft/engine/async_decode.py) -----
     def _async_decode_step(self) -> list[RequestOutput]:
-        """`step` with plain decode pipelined: reads back the step launched ahead last call (or
-        launches a scheduled one), first launching the next decode step when it is known."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:
-            launched = inflight.launched
-        else:
-            chunks = self.scheduler.schedule()
-            if not chunks:
-                return []
-            launched = self.runner.launch(chunks)
-        self._inflight = launch_decode_ahead(
-            launched, self.runner, self.scheduler, self.block_manager, self.max_model_len
-        )
-        result = self.runner.finish(launched)  # still the step's one device-to-host read
-        outputs = self._process_step(*live_rows(launched, result), None)
-        if self._inflight is not None:
-            self._drop_finished_inflight_rows()
+        """`step` with plain decode pipelined: processes the step the pipeline reads back, then
+        drops the rows of the step launched ahead that this one finished."""
+        read = self.decode_pipeline.advance()
+        if read is None:
+            return []
+        outputs = self._process_step(*read, None)
+        self.decode_pipeline.drop_finished_rows()
         return outputs
-
-    def _drop_finished_inflight_rows(self) -> None:
-        """Gives back the blocks of the in-flight rows of requests that finished; forgets the
-        in-flight step when no row is left (its queued work needs no readback)."""
-        return_blocks_of_finished(self._inflight, self.block_manager)
-        if not self._inflight.has_live_rows:
-            self._inflight = None

@@ -15,7 +15,11 @@ import torch
 from torch import nn
 
 from blockdraft.config import EngineConfig, check_tensor_parallel_shape
-from blockdraft.distributed.tensor_parallel import Shard
+from blockdraft.distributed.tensor_parallel import (
+    Shard,
+    TensorParallel,
+    building_tensor_parallel,
+)
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
@@ -141,6 +145,18 @@ def _cut_whole(tensors, shards: dict[str, Shard]) -> Iterator[tuple[str, torch.T
         if shard is not None and tensor.shape[shard.dim] == shard.full:
             tensor = shard.take(tensor)
         yield name, tensor
+
+
+def load_rank_models(
+    config: EngineConfig, device: torch.device, tp: TensorParallel | None
+) -> LoadedModels:
+    """`load_models` for this process's tensor-parallel rank (`tp` None: unsharded). Ranks seed
+    alike first: every rank draws the same random numbers (dummy weights of replicated layers,
+    and later the synthetic acceptance's coins)."""
+    if tp is not None:
+        torch.manual_seed(config.seed)
+    with building_tensor_parallel(tp):
+        return load_models(config, device)
 
 
 def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:

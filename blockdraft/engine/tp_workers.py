@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from blockdraft.config import EngineConfig, tensor_parallel_devices
 from blockdraft.distributed.tensor_parallel import TensorParallel
+from blockdraft.engine.model_loader import check_tensor_parallel
 from blockdraft.engine.scheduler import ScheduledChunk
 from blockdraft.engine.sequence import Sequence
 from blockdraft.kernels.forward_context import use_kernel_policy
@@ -115,7 +116,9 @@ class TensorParallelWorkers:
     """The driver's side: the worker processes, the group, the plans it sends them."""
 
     def __init__(self, config: EngineConfig) -> None:
-        """Starts the workers and joins the group with them as rank 0."""
+        """Checks the config's shapes, starts the workers and joins the group with them as
+        rank 0."""
+        check_tensor_parallel(config)  # before any worker starts
         size = config.tensor_parallel_size
         device = torch.device(tensor_parallel_devices(config.device, size)[0])
         if device.type == "cuda":
@@ -241,6 +244,16 @@ class TensorParallelWorkers:
             if not isinstance(e, Exception):
                 raise
             raise RuntimeError(self._state.failed) from e
+
+    @contextlib.contextmanager
+    def aborting_on_failure(self) -> Iterator[None]:
+        """Around the driver engine's start: a failure kills the workers, which would wait for
+        the driver's next collective."""
+        try:
+            yield
+        except BaseException:
+            self.abort("the engine failed to start")
+            raise
 
     def shutdown(self) -> None:
         """Stops the workers (a second call does nothing)."""
@@ -375,5 +388,5 @@ def mirror_drafts(chunks: list[ScheduledChunk], drafts: LaunchedDrafts | None) -
         if c.num_drafts:
             c.seq.drafts = None
     if drafts is not None:
-        for row, i in enumerate(drafts.proposers):
-            chunks[i].seq.drafts = PendingDrafts(drafts.batch, row)
+        for i, pending in drafts.pending():
+            chunks[i].seq.drafts = pending

@@ -31,6 +31,7 @@ from blockdraft.engine.sequence import Sequence
 from blockdraft.runtime.sampling_cache import sampling_tensors
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import DraftLauncher
+from blockdraft.spec_decode.draft_schedule import DraftSchedule
 from blockdraft.spec_decode.rejection_sampler import rejection_sample
 
 # Query lengths of the warm-up requests: each row count the skinny GEMMs' M buckets and
@@ -58,13 +59,14 @@ def warmup_shapes(max_model_len: int, max_num_seqs: int) -> list[tuple[int, int,
 def warm_up_eager_steps(
     runner: ModelRunner,
     draft_launcher: DraftLauncher | None,
-    num_drafts: list[int],  # every N the drafts may be proposed with (0: none)
+    draft_schedule: DraftSchedule | None,  # its Ns: every N drafts may be proposed with
     max_model_len: int,
     max_num_seqs: int,
     lookahead: int,  # rows past the last token a step may write (DFlash's block)
 ) -> None:
     """Runs the warm-up steps (see the module doc), each read back as the engine reads its
     steps. The requests of a step share their blocks: the K/V they write is never read."""
+    num_drafts = draft_schedule.all_num_drafts if draft_schedule else []
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     sampled = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, min_p=0.05, max_tokens=1)
     for i, (num_seqs, q, ctx) in enumerate(warmup_shapes(max_model_len, max_num_seqs)):

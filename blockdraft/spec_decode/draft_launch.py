@@ -22,6 +22,7 @@ once, even where a finished request's freed blocks pass to another request.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.runtime.host_batch import int64_tensors, padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
-from blockdraft.spec_decode.drafts import DraftBatch
+from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer
 
 # Deferred context rows written at once at the latest; bounds the kept features' memory.
@@ -76,6 +77,11 @@ class DeferredContext:
 class LaunchedDrafts:
     batch: DraftBatch  # on the device, one row per proposer
     proposers: list[int]  # the chunk of each row
+
+    def pending(self) -> Iterator[tuple[int, PendingDrafts]]:
+        """(chunk, the drafts its request holds for its next verify) of each row."""
+        for row, chunk in enumerate(self.proposers):
+            yield chunk, PendingDrafts(self.batch, row)
 
 
 class DraftLauncher:

@@ -5,6 +5,7 @@ import pytest
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow
 def test_moe_bench_tiny_times_both_paths_and_counts_expert_bytes(capsys) -> None:
     from benchmarks import moe_bench
 

@@ -49,7 +49,7 @@ def assert_same_pool(sync: LLM, pipelined: LLM) -> None:
         b.block_key.get(i) for i in b.free_blocks
     ]
     assert a.num_free_blocks == b.num_free_blocks == a.num_blocks
-    assert pipelined.engine._inflight is None
+    assert pipelined.engine.decode_pipeline.inflight is None
 
 
 SETUPS = {
@@ -126,7 +126,10 @@ def test_arrivals_and_abort_mid_run(target: Path, rng) -> None:
                 engine.add_request("e", prompts[4], params)
             if num_steps == 8:
                 if llm is pipelined:  # b has a row in the step launched ahead
-                    assert any(c.seq.request_id == "b" for c in engine._inflight.launched.chunks)
+                    assert any(
+                        c.seq.request_id == "b"
+                        for c in engine.decode_pipeline.inflight.launched.chunks
+                    )
                 engine.abort_request("b")
         results.append(outputs)
     assert results[0] == results[1]
@@ -143,7 +146,7 @@ def test_abort_of_every_request_in_flight(target: Path, rng) -> None:
         engine.add_request(rid, prompt, params)
     for _ in range(3):
         engine.step()
-    assert engine._inflight is not None  # a decode step is launched ahead
+    assert engine.decode_pipeline.inflight is not None  # a decode step is launched ahead
     engine.abort_request("a")
     engine.abort_request("b")
     assert not engine.has_unfinished_requests()

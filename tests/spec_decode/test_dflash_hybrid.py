@@ -154,8 +154,15 @@ def test_bonus_tokens_follow_the_target_after_partial_acceptance(random_pair, rn
 
 @pytest.mark.parametrize(
     "setup",
-    [{}, dict(max_num_batched_tokens=16), dict(block_size=4, num_kv_blocks=30, max_model_len=80)],
-    ids=["plain", "chunked-prefill", "preemption"],
+    [
+        pytest.param({}, id="plain"),
+        pytest.param(dict(max_num_batched_tokens=16), id="chunked-prefill", marks=pytest.mark.slow),
+        pytest.param(
+            dict(block_size=4, num_kv_blocks=30, max_model_len=80),
+            id="preemption",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_greedy_lossless(random_pair, agreeing_pair, setup: dict, rng) -> None:
     prompts = [torch.randint(4, 64, (k,), generator=rng).tolist() for k in (1, 9, 23, 40)]
