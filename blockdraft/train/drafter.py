@@ -237,9 +237,10 @@ def trainable_parameters(drafter: DFlashDrafter) -> dict[str, torch.nn.Parameter
 @torch.no_grad()
 def init_drafter_weights(drafter: DFlashDrafter, seed: int, std: float = 0.02) -> None:
     """Normal(0, std) matrices, unit norm weights, drawn on the CPU so that a seed gives the
-    same drafter on every device. DFlash2's convolutions start as the identity (static kernel
-    one at offset 0, no dynamic part): a fresh DFlash2 drafter's layers compute what a DFlash
-    drafter's do, and its small codebooks leave the selector picking near the argmax."""
+    same drafter on every device. A fresh DFlash2 drafter starts as a DFlash one: its
+    convolutions are the identity (static kernel one at offset 0, no dynamic part) and its
+    selector adds nothing to the logits (a zero hidden projection, as LoRA starts one factor at
+    zero; unit normal codebooks, so that the projection's gradient is not zero too)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in trainable_parameters(drafter).items():
         if name.endswith("norm.weight"):
@@ -247,8 +248,10 @@ def init_drafter_weights(drafter: DFlashDrafter, seed: int, std: float = 0.02) -
         elif name.endswith("base_kernel"):  # [2, kernel_size, hidden]
             p.zero_()
             p[:, 0] = 1.0
-        elif name.endswith("kernel_projection.weight"):
+        elif name.endswith(("kernel_projection.weight", "hidden_projection.weight")):
             p.zero_()
+        elif name.endswith("_codebook.weight"):
+            p.copy_(torch.randn(p.shape, generator=g))
         else:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 

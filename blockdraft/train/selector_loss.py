@@ -57,11 +57,11 @@ def selector_loss(
     labels: torch.Tensor,  # [R] int64
     weights: torch.Tensor,  # [R] float32
     chunk_rows: int = 8192,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted selector cross-entropy summed over the rows whose label is a candidate, their
-    summed weights, [R] bool label among the candidates, [R] bool the selector's pick is the
-    label). Chunks of `chunk_rows` rows: their logits ([r, V] floats) are never all kept, and
-    each chunk's [r, K, rank] codebook rows are recomputed in backward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the selector loss: the weighted mean cross-entropy over the rows whose label is a
+    candidate, zero when none is; [R] bool label among the candidates; [R] bool the selector's
+    pick is the label). Chunks of `chunk_rows` rows: their logits ([r, V] floats) are never all
+    kept, and each chunk's [r, K, rank] codebook rows are recomputed in backward."""
     selector = drafter.candidate_selector
     unary, candidates = [], []
     with torch.no_grad():
@@ -100,5 +100,6 @@ def selector_loss(
         total = total + loss
         hits.append(hit)
         correct.append(ok)
-    hit, ok = torch.cat(hits), torch.cat(correct)
-    return total, (weights * hit).sum(), hit, ok
+    hit = torch.cat(hits)
+    # No label among the candidates: 0 / tiny, zero with zero gradients, not 0 / 0.
+    return total / (weights * hit).sum().clamp(min=1e-6), hit, torch.cat(correct)

@@ -315,11 +315,9 @@ class Trainer:
                 predecessors = true_predecessors(
                     layout.block_ids, layout.labels, layout.offsets, rows
                 )
-                sel_sum, sel_weight, in_candidates, correct = selector_loss(
+                selector, in_candidates, correct = selector_loss(
                     self.drafter, hidden[rows], predecessors, labels, weights, cfg.loss_chunk_rows
                 )
-                # No candidate holding its label: zero (and zero gradients), not 0 / 0.
-                selector = sel_sum / sel_weight.clamp(min=1e-6)
                 loss = loss + cfg.selector_loss_weight * selector
                 candidates = in_candidates.float().mean()
         hits = torch.zeros(b, device=self.device).index_add_(0, offsets, correct.float())
