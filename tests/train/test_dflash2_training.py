@@ -162,12 +162,12 @@ def test_selector_loss_without_candidate_labels_is_zero_safe(setup: dict[str, Pa
 
 
 def test_training_lowers_the_loss(setup: dict[str, Path], tmp_path: Path, rng) -> None:
-    """A fresh DFlash2 drafter (random seed) trained 25 steps, measured over an epoch of fixed
+    """A fresh DFlash2 drafter (random seed) trained 40 steps, measured over an epoch of fixed
     micro-batches: the loss falls; the trained selector beats the logits alone (its codebooks
     zeroed) in loss and in picks of the true token; the convolutions leave the identity they
     start as."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    trainer = Trainer(train_config(setup, tmp_path, steps=25, seed=seed, **SMALL))
+    trainer = Trainer(train_config(setup, tmp_path, steps=40, seed=seed, **SMALL))
     layer = trainer.drafter.layers[0]
     identity_taps = layer.attention_conv.base_kernel[:, 1:]
     assert not identity_taps.any() and not layer.mlp_conv.kernel_projection.weight.any()
@@ -191,7 +191,7 @@ def test_training_lowers_the_loss(setup: dict[str, Path], tmp_path: Path, rng) -
     assert layer.attention_conv.base_kernel[:, 1:].abs().max() > 0
     assert layer.mlp_conv.kernel_projection.weight.abs().max() > 0
     log = [json.loads(line) for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
-    assert len(log) == 25 and all(0 <= r["candidate_recall"] <= 1 for r in log)
+    assert len(log) == 40 and all(0 <= r["candidate_recall"] <= 1 for r in log)
     assert result.history[-1].selector_loss == log[-1]["selector_loss"]
 
 
