@@ -43,8 +43,9 @@ class TrainConfig:
     mask_token_id: int | None = None  # None: an unused special token of the target
     target_layer_ids: list[int] | None = None  # None: z-lab's default rule
     num_target_features: int | None = None  # number of default target layers (None: num_layers)
-    # DFlash2 only. None: the published drafters' values (DFlash2Shape) for a fresh drafter,
-    # the checkpoint's with init_drafter (which set values must equal)
+    # DFlash2 only. None: the published drafters' values (DFlash2Shape) for a fresh drafter
+    # (or one grown from a DFlash init_drafter), a DFlash2 init_drafter's (which set values
+    # must equal)
     conv_kernel_size: int | None = None
     conv_group_size: int | None = None
     selector_rank: int | None = None
@@ -152,12 +153,15 @@ class TrainConfig:
             return
         hf = json.loads((Path(self.init_drafter).expanduser() / "config.json").read_text())
         archs = hf.get("architectures") or []
-        wanted = ARCHS[self.arch]
-        if wanted not in archs:
+        # A DFlash drafter may grow into a DFlash2 one (`upgrades_init_drafter`), not back.
+        known = [ARCHS[self.arch]] + ([ARCHS["dflash"]] if self.arch == "dflash2" else [])
+        if not set(known) & set(archs):
             raise ValueError(
                 f"init_drafter {self.init_drafter!r} has architectures {archs!r}; arch="
-                f"{self.arch!r} trains a {wanted}"
+                f"{self.arch!r} starts from a {' or a '.join(known)}"
             )
+        if self.upgrades_init_drafter:
+            return
         # The shape comes with the checkpoint: an option may only repeat its value.
         dflash = hf.get("dflash_config") or {}
         for name in given:
@@ -167,6 +171,15 @@ class TrainConfig:
                     f"{name}={getattr(self, name)} differs from init_drafter's {saved}; leave "
                     "it unset to keep the checkpoint's"
                 )
+
+    @property
+    def upgrades_init_drafter(self) -> bool:
+        """Whether training starts a DFlash2 drafter from a DFlash `init_drafter`: its layers
+        as they are, identity convolutions and a selector that adds nothing yet around them."""
+        if self.arch != "dflash2" or self.init_drafter is None:
+            return False
+        hf = json.loads((Path(self.init_drafter).expanduser() / "config.json").read_text())
+        return ARCHS["dflash2"] not in (hf.get("architectures") or [])
 
     @property
     def torch_device(self) -> torch.device:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from blockdraft.models.dflash2_drafter import DFlash2Config
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
 from blockdraft.models.registry import resolve_drafter
 from blockdraft.train.blocks import (
@@ -182,13 +183,6 @@ class Trainer:
 
     def _drafter_config(self, target_hf: dict) -> dict:
         cfg = self.cfg
-        if cfg.init_drafter:
-            hf = json.loads((Path(cfg.init_drafter) / "config.json").read_text())
-            hf.pop("torch_dtype", None)
-            return grow_drafter_config(hf, cfg.grow_layers)
-        mask = cfg.mask_token_id
-        if mask is None:
-            mask = default_mask_token_id(self.tokenizer, target_hf)
         dflash2 = None
         if cfg.arch == "dflash2":
             given = {
@@ -197,6 +191,16 @@ class Trainer:
                 if getattr(cfg, name) is not None
             }
             dflash2 = DFlash2Shape(**given)
+        if cfg.init_drafter:
+            hf = json.loads((Path(cfg.init_drafter) / "config.json").read_text())
+            hf.pop("torch_dtype", None)
+            if cfg.upgrades_init_drafter:
+                hf["architectures"] = [DFlash2Config.architecture]
+                hf["dflash_config"] = {**hf.get("dflash_config", {}), **dataclasses.asdict(dflash2)}
+            return grow_drafter_config(hf, cfg.grow_layers)
+        mask = cfg.mask_token_id
+        if mask is None:
+            mask = default_mask_token_id(self.tokenizer, target_hf)
         return drafter_hf_config(
             target_hf,
             num_layers=cfg.num_layers,
@@ -215,11 +219,17 @@ class Trainer:
         params = trainable_parameters(self.drafter)
         num_layers = self.dcfg.body.num_layers
         new = tuple(f"layers.{i}." for i in range(num_layers - cfg.grow_layers, num_layers))
-        if new:
+
+        def fresh(name: str) -> bool:  # not in the init drafter: starts as init_drafter_weights'
+            upgrade = "_conv." in name or name.startswith("candidate_selector.")
+            added = cfg.upgrades_init_drafter and upgrade
+            return name.startswith(new) or added
+
+        if any(fresh(name) for name in params):
             init_drafter_weights(self.drafter, cfg.seed)
         tensors = iter_checkpoint_tensors(read_checkpoint(cfg.init_drafter))
         load_weights(
-            {name: p for name, p in params.items() if not name.startswith(new)},
+            {name: p for name, p in params.items() if not fresh(name)},
             ((self.drafter.checkpoint_name(name), t) for name, t in tensors),
             cfg.init_drafter,
             ignore=lambda name: (

@@ -28,7 +28,7 @@ from blockdraft.train.drafter import (
 from blockdraft.train.selector_loss import selector_loss
 from blockdraft.train.trainer import Trainer
 
-from checkpoints import make_dflash_drafter, make_qwen3_checkpoint
+from checkpoints import make_qwen3_checkpoint
 from dflash2_checkpoints import (
     load_zlab_dflash2_strict,
     make_dflash2_drafter,
@@ -266,6 +266,40 @@ def test_grown_drafter_starts_as_the_init(setup: dict[str, Path], tmp_path: Path
     assert torch.allclose(a.selector_loss, b.selector_loss, rtol=1e-5)
 
 
+def test_dflash_drafter_grows_into_dflash2(setup: dict[str, Path], tmp_path: Path, rng) -> None:
+    """--arch dflash2 from a trained DFlash checkpoint: its layers load as they are, the
+    convolutions start as the identity and the selector adds nothing, so the loss and the
+    correct drafts are the DFlash drafter's; it trains and saves a DFlash2 checkpoint of the
+    given shape that z-lab loads."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    dflash = Trainer(train_config(setup, tmp_path / "a", arch="dflash", steps=15, seed=seed))
+    dflash.fit()  # some drafts right
+    init = str(tmp_path / "a")
+    grown = Trainer(
+        train_config(
+            setup,
+            tmp_path / "b",
+            steps=2,
+            seed=seed,
+            init_drafter=init,
+            selector_loss_weight=0.0,
+            **SMALL,
+        )
+    )
+    assert isinstance(grown.drafter, DFlash2Drafter)
+    with torch.no_grad():
+        a, b = dflash.batch_loss(0), grown.batch_loss(0)
+    assert torch.allclose(a.loss, b.loss, rtol=1e-5) and b.selector_loss > 0
+    assert torch.equal(a.hits, b.hits) and a.hits.sum() > 0
+    grown.fit()
+    saved = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert saved["architectures"] == ["DFlash2DraftModel"]
+    assert {k: saved["dflash_config"][k] for k in DFlash2Shape.__dataclass_fields__} == dict(
+        conv_kernel_size=2, conv_group_size=16, **SMALL
+    )
+    load_zlab_dflash2_strict(tmp_path / "b")
+
+
 def cli(setup: dict[str, Path], out: Path, *extra: str) -> None:
     cli_main(
         [
@@ -290,7 +324,7 @@ def cli(setup: dict[str, Path], out: Path, *extra: str) -> None:
 
 def test_cli_options_and_errors(setup: dict[str, Path], tmp_path: Path, capsys) -> None:
     """`--arch dflash2` writes a DFlash2 drafter with the given shape (the published drafters'
-    values where unset); DFlash2 options without it, an init drafter of the other kind, a
+    values where unset); DFlash2 options without it, a DFlash2 init drafter for a DFlash one, a
     shape other than the init drafter's, or bad values are refused by name (exit status 2)."""
     cli(setup, tmp_path / "ok", "--arch", "dflash2", "--steps", "2", "--selector-top-k", "5")
     saved = json.loads((tmp_path / "ok" / "config.json").read_text())
@@ -299,14 +333,12 @@ def test_cli_options_and_errors(setup: dict[str, Path], tmp_path: Path, capsys) 
         conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=5
     )
 
-    dflash = make_dflash_drafter(tmp_path / "dflash", setup["target"], block_size=8)
     dflash2 = make_dflash2_drafter(tmp_path / "dflash2", setup["target"], block_size=8)
     bad = tmp_path / "bad"
     cases = [
         (("--selector-top-k", "4"), "selector_top_k: DFlash2 options; set arch='dflash2'"),
         (("--selector-loss-weight", "0.5"), "DFlash2 options"),
-        (("--arch", "dflash2", "--init-drafter", str(dflash)), "trains a DFlash2DraftModel"),
-        (("--init-drafter", str(dflash2)), "trains a DFlashDraftModel"),
+        (("--init-drafter", str(dflash2)), "arch='dflash' starts from a DFlashDraftModel"),
         (
             ("--arch", "dflash2", "--init-drafter", str(dflash2), "--conv-kernel-size", "2"),
             "conv_kernel_size=2 differs from init_drafter's 3",
