@@ -23,7 +23,8 @@ https://docs.nvidia.com/nemo/automodel/nemo-automodel/nemo_automodel/components/
   is). SpecForge (sgl-project/SpecForge#772) instead inserts the missing true token among the
   candidates; the engine never drafts a token outside them, so this loss does not.
 
-The candidates and their logits (the unary scores) come from the drafter's logits without
+Two details the NeMo page leaves open are chosen here: the weighted mean above, and the
+candidates and their logits (the unary scores) come from the drafter's logits without
 gradient: the block loss trains the logits, and the selector learns to re-rank them. That
 spares a second backward through the LM head over the vocabulary; the selector's gradient
 reaches its codebooks, its hidden projection and, through it, the drafter's layers.
