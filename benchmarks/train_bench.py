@@ -4,11 +4,13 @@ a SmolLM2-135M-shaped target with random weights (no checkpoint download: traini
 not depend on the weights' values) and random token sequences shaped like regenerated data.
 
     python benchmarks/train_bench.py [--batch-sizes 16 32] [--steps 10] [--json OUT]
+                                     [--arch dflash2]
 
 The drafter is the shipped one's shape (3 layers, 5 target features, block 16, 256 anchors a
-sequence). Each configuration trains from the same seed on the same sequences, so the first
-step's loss must agree between the loss paths (printed beside the timings). `--tiny` shrinks
-everything for a CPU smoke run.
+sequence); `--arch dflash2` trains a DFlash2 drafter of that shape (convolutions and the
+candidate selector's loss, the published drafters' conv and selector sizes). Each configuration
+trains from the same seed on the same sequences, so the first step's loss must agree between
+the loss paths (printed beside the timings). `--tiny` shrinks everything for a CPU smoke run.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def time_config(args: argparse.Namespace, work: Path, batch: int, fused: bool) -
         data=str(work / "samples.jsonl"),
         model=str(work / "target"),
         load_format="dummy",
+        arch=args.arch,
         num_layers=3,
         num_target_features=5,
         mask_token_id=MASK_TOKEN_ID,
@@ -112,6 +115,7 @@ def main() -> None:
         default=None,
         help="loss paths to time (default: both on CUDA, float32 on the CPU)",
     )
+    p.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash")
     p.add_argument("--tiny", action="store_true", help="a tiny target (CPU smoke run)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -135,6 +139,7 @@ def main() -> None:
         "hardware": hardware(),
         "date": time.strftime("%Y-%m-%d"),
         "target": "tiny" if args.tiny else "SmolLM2-135M shape, random weights",
+        "arch": args.arch,
         "anchors": args.anchors,
         "sequence_tokens": f"prompt {args.prompt_len // 4}-{args.prompt_len}, "
         f"response {args.response_len}",
@@ -145,7 +150,8 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print_table(
         f"{results['hardware']}, {results['date']}: drafter training step ({results['target']}, "
-        f"3-layer drafter, {args.anchors} anchors a sequence, {args.steps} timed steps)",
+        f"3-layer {args.arch} drafter, {args.anchors} anchors a sequence, "
+        f"{args.steps} timed steps)",
         ["batch", "loss path", "ms/step", "sequences/s", "first-step loss", "peak GiB"],
         [
             [

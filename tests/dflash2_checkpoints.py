@@ -87,6 +87,34 @@ def load_zlab_dflash2(drafter_dir: Path):
     return model.float().eval()
 
 
+def load_zlab_dflash2_strict(drafter_dir: Path):
+    """`load_zlab_dflash2`, asserting that the checkpoint's tensors and the model's parameters
+    match one to one (no missing, unexpected or reshaped tensor)."""
+    from dflash.model import DFlash2DraftModel
+
+    with _quiet():
+        model, info = DFlash2DraftModel.from_pretrained(
+            str(drafter_dir), dtype=torch.float32, output_loading_info=True
+        )
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
+    assert not problems and not info.get("error_msgs"), info
+    return model.float().eval()
+
+
+def spy_proposals(llm) -> list[torch.Tensor]:
+    """Records the draft tokens [R, N] of every propose step of `llm`."""
+    seen: list[torch.Tensor] = []
+    propose = llm.engine.proposer.propose
+
+    def spy(*args, **kwargs):
+        tokens, probs = propose(*args, **kwargs)
+        seen.append(tokens.clone())
+        return tokens, probs
+
+    llm.engine.proposer.propose = spy
+    return seen
+
+
 def zlab2_generate(
     target_dir: Path,
     drafter_dir: Path,

@@ -102,6 +102,27 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab, rank)
         self.hidden_projection = nn.Linear(cfg.body.hidden_size, rank, bias=False)
 
+    def top_candidates(
+        self,
+        logits: torch.Tensor,  # [..., V] float32, the drafter's logits
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # unary [..., K] float32, candidates [..., K] int64
+        """Each position's top-K tokens and their logits (in no particular order)."""
+        return torch.topk(logits, self.top_k, dim=-1, sorted=False)
+
+    def pair_scores(
+        self,
+        hidden: torch.Tensor,  # [..., hidden], the drafter's row of each position
+        unary: torch.Tensor,  # [..., K] float32, the candidates' logits
+        candidates: torch.Tensor,  # [..., K] int64
+        predecessors: torch.Tensor,  # [..., P] int64, tokens the position may follow
+    ) -> torch.Tensor:  # [..., P, K] float32
+        """scores[..., p, k]: candidate k after predecessor p, `unary[k] + <pred[p] * proj(h),
+        succ[candidate k]>`. Inference and training both score through here."""
+        projected = linear(hidden, self.hidden_projection.weight, None).float()  # [..., r]
+        successor = self.successor_codebook(candidates).float() * projected[..., None, :]
+        predecessor = self.predecessor_codebook(predecessors).float()  # [..., P, r]
+        return unary[..., None, :] + predecessor @ successor.transpose(-1, -2)
+
     def transition_scores(
         self,
         hidden: torch.Tensor,  # [R, N, hidden], the drafter's rows 1..N of each block
@@ -110,19 +131,12 @@ class CandidateSelector(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # candidates [R, N, K] int64, scores [R, N, K, K]
         """scores[r, i, j, k]: candidate k of position i after candidate j of position i - 1
         (float32). Position 0 follows the anchor: its K rows are equal."""
-        num_reqs, n, _ = hidden.shape
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)
-        projected = linear(hidden, self.hidden_projection.weight, None).float()  # [R, N, r]
-        successor = self.successor_codebook(candidates).float() * projected[:, :, None, :]
-        anchor = self.predecessor_codebook(anchors).float()[:, None, None, :]
-        predecessor = torch.cat(
-            [
-                anchor.expand(num_reqs, 1, self.top_k, -1),
-                self.predecessor_codebook(candidates[:, : n - 1]).float(),
-            ],
-            dim=1,
-        )  # [R, N, K, r]: row j of position i is candidate j of position i - 1
-        return candidates, unary[:, :, None, :] + predecessor @ successor.transpose(-1, -2)
+        num_reqs = hidden.shape[0]
+        unary, candidates = self.top_candidates(logits)
+        predecessors = torch.cat(
+            [anchors[:, None, None].expand(num_reqs, 1, self.top_k), candidates[:, :-1]], dim=1
+        )  # [R, N, K]: row j of position i is candidate j of position i - 1
+        return candidates, self.pair_scores(hidden, unary, candidates, predecessors)
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -148,6 +162,11 @@ class DFlash2Drafter(DFlashDrafter):
         if name.endswith("_codebook"):
             return name + ".weight"
         return name
+
+    @staticmethod
+    def saved_name(name: str) -> str:
+        # As published (z-lab's loader maps the bare names back to `.weight`).
+        return name.removesuffix(".weight") if name.endswith("_codebook.weight") else name
 
     def forward(
         self,

@@ -225,6 +225,11 @@ class DFlashDrafter(nn.Module):
         under `encoder.` (`encoder.fc.weight`)."""
         return name.removeprefix("encoder.")
 
+    @staticmethod
+    def saved_name(name: str) -> str:
+        """The checkpoint tensor a parameter is written as (training saves z-lab's names)."""
+        return name
+
     @property
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.models.dflash_drafter import DFlashConfig
+from blockdraft.models.registry import resolve_drafter
 
 STATE_FILE = "trainer_state.pt"
 
@@ -48,7 +48,7 @@ def grow_drafter_config(hf: dict, grow_layers: int) -> dict:
     layer count)."""
     if not grow_layers:
         return hf
-    layer_ids = list(DFlashConfig.from_hf(hf).target_layer_ids)
+    layer_ids = list(resolve_drafter(hf)[0].target_layer_ids)
     hf = dict(hf)
     hf["dflash_config"] = {**hf.get("dflash_config", {}), "target_layer_ids": layer_ids}
     n = hf["num_hidden_layers"]

@@ -12,9 +12,10 @@ def _int_list(text: str) -> list[int]:
 def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train-draft",
-        help="train a DFlash drafter for a target",
+        help="train a DFlash (or DFlash2) drafter for a target",
         description="Regenerates the responses of --data with the target (unless it already is "
-        "a regenerated shard), trains a DFlash drafter and saves it to --out in z-lab format.",
+        "a regenerated shard), trains a DFlash drafter (--arch dflash2: a DFlash2 drafter) and "
+        "saves it to --out in z-lab format.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default=None, help="target (unset: the embedded SmolLM2-135M)")
@@ -29,6 +30,12 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         "--out", required=True, help="output directory: drafter, checkpoints, data.jsonl"
     )
     g = p.add_argument_group("drafter")
+    g.add_argument(
+        "--arch",
+        default="dflash",
+        choices=["dflash", "dflash2"],
+        help="dflash2: DFlash2DraftModel (dynamic convolutions + candidate selector)",
+    )
     g.add_argument("--num-layers", type=int, default=1, help="drafter decoder layers")
     g.add_argument("--block-size", type=int, default=16, help="tokens per block: anchor + masks")
     g.add_argument(
@@ -56,6 +63,21 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         help="with --init-drafter: add this many layers on top, starting as the identity",
+    )
+    g = p.add_argument_group(
+        "DFlash2 (--arch dflash2; unset: the published drafters' values, or --init-drafter's)"
+    )
+    g.add_argument("--conv-kernel-size", type=int, default=None, help="convolution taps (2)")
+    g.add_argument(
+        "--conv-group-size", type=int, default=None, help="channels per dynamic kernel (16)"
+    )
+    g.add_argument("--selector-rank", type=int, default=None, help="codebook rank (256)")
+    g.add_argument("--selector-top-k", type=int, default=None, help="candidates per position (16)")
+    g.add_argument(
+        "--selector-loss-weight",
+        type=float,
+        default=None,
+        help="weight of the selector's loss against the block loss (1.0)",
     )
     g = p.add_argument_group("regeneration")
     g.add_argument(
@@ -135,6 +157,12 @@ def cmd_train_draft(args: argparse.Namespace) -> None:
         out_dir=args.out,
         data=args.data,
         model=args.model,
+        arch=args.arch,
+        conv_kernel_size=args.conv_kernel_size,
+        conv_group_size=args.conv_group_size,
+        selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k,
+        selector_loss_weight=args.selector_loss_weight,
         num_layers=args.num_layers,
         block_size=args.block_size,
         mask_token_id=args.mask_token_id,

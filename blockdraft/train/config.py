@@ -6,6 +6,7 @@ Apart from the `Trainer` (`trainer.py`) so that the run's settings read on their
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from blockdraft.config import (
     check_model_path,
     resolve_device,
 )
-from blockdraft.train.drafter import check_fused_loss_device
+from blockdraft.models.dflash2_drafter import DFlash2Config
+from blockdraft.models.dflash_drafter import DFlashConfig
+from blockdraft.train.drafter import DFlash2Shape, check_fused_loss_device
+
+# --arch -> the drafter architecture it trains (config.json's `architectures`)
+ARCHS = {"dflash": DFlashConfig.architecture, "dflash2": DFlash2Config.architecture}
+DFLASH2_OPTIONS = (*DFlash2Shape.__dataclass_fields__, "selector_loss_weight")
 
 # Loss decay per block size from the DFlash paper; other sizes scale with the block.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -30,11 +37,20 @@ class TrainConfig:
     model: str | None = None  # target; None: the embedded SmolLM2-135M-Instruct
     load_format: str = "auto"  # "dummy": random target weights from config.json (benchmarks)
     # drafter shape (a fresh drafter; or start from `init_drafter`, a z-lab checkpoint)
+    arch: str = "dflash"  # "dflash" | "dflash2" (convolutions + candidate selector)
     num_layers: int = 1
     block_size: int = 16
     mask_token_id: int | None = None  # None: an unused special token of the target
     target_layer_ids: list[int] | None = None  # None: z-lab's default rule
     num_target_features: int | None = None  # number of default target layers (None: num_layers)
+    # DFlash2 only. None: the published drafters' values (DFlash2Shape) for a fresh drafter
+    # (or one grown from a DFlash init_drafter), a DFlash2 init_drafter's (which set values
+    # must equal)
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+    selector_loss_weight: float | None = None  # None: 1.0 (DFlash2 only)
     init_drafter: str | None = None
     # layers added on top of `init_drafter`'s, each starting as the identity (its attention and
     # MLP output projections zero): a deeper drafter that begins where the trained one is
@@ -118,8 +134,52 @@ class TrainConfig:
             raise ValueError("steps must be positive")
         if self.fused_loss:
             check_fused_loss_device(self.device)
+        self._check_arch()
         if self.loss_gamma is None:
             self.loss_gamma = DEFAULT_GAMMA.get(self.block_size, 7.0 * self.block_size / 16)
+
+    def _check_arch(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {self.arch!r}")
+        given = [name for name in DFLASH2_OPTIONS if getattr(self, name) is not None]
+        if self.arch == "dflash" and given:
+            raise ValueError(f"{', '.join(given)}: DFlash2 options; set arch='dflash2'")
+        for name in given:
+            if getattr(self, name) < (0 if name == "selector_loss_weight" else 1):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.arch == "dflash2" and self.selector_loss_weight is None:
+            self.selector_loss_weight = 1.0
+        if self.init_drafter is None:
+            return
+        hf = json.loads((Path(self.init_drafter).expanduser() / "config.json").read_text())
+        archs = hf.get("architectures") or []
+        # A DFlash drafter may grow into a DFlash2 one (`upgrades_init_drafter`), not back.
+        known = [ARCHS[self.arch]] + ([ARCHS["dflash"]] if self.arch == "dflash2" else [])
+        if not set(known) & set(archs):
+            raise ValueError(
+                f"init_drafter {self.init_drafter!r} has architectures {archs!r}; arch="
+                f"{self.arch!r} starts from a {' or a '.join(known)}"
+            )
+        if self.upgrades_init_drafter:
+            return
+        # The shape comes with the checkpoint: an option may only repeat its value.
+        dflash = hf.get("dflash_config") or {}
+        for name in given:
+            saved = dflash.get(name, hf.get(name))
+            if name in DFlash2Shape.__dataclass_fields__ and saved != getattr(self, name):
+                raise ValueError(
+                    f"{name}={getattr(self, name)} differs from init_drafter's {saved}; leave "
+                    "it unset to keep the checkpoint's"
+                )
+
+    @property
+    def upgrades_init_drafter(self) -> bool:
+        """Whether training starts a DFlash2 drafter from a DFlash `init_drafter`: its layers
+        as they are, identity convolutions and a selector that adds nothing yet around them."""
+        if self.arch != "dflash2" or self.init_drafter is None:
+            return False
+        hf = json.loads((Path(self.init_drafter).expanduser() / "config.json").read_text())
+        return ARCHS["dflash2"] not in (hf.get("architectures") or [])
 
     @property
     def torch_device(self) -> torch.device:
@@ -138,6 +198,8 @@ class StepStats:
     acceptance_length: float  # block_acceptance_length(accuracy)
     lr: float
     seconds: float
+    selector_loss: float | None = None  # DFlash2: the selector's loss term (unweighted)
+    candidate_recall: float | None = None  # DFlash2: share of labels among the top-K candidates
 
 
 @dataclass

@@ -21,6 +21,7 @@ from blockdraft.kernels import select
 from blockdraft.kernels.cross_entropy import chunked_cross_entropy
 from blockdraft.kernels.forward_context import forward_context
 from blockdraft.kernels.triton_env import triton_interpreting
+from blockdraft.models.dflash2_drafter import DFlash2Config
 from blockdraft.models.dflash_drafter import (
     DFlashConfig,
     DFlashDrafter,
@@ -33,7 +34,7 @@ from blockdraft.models.loader import (
     load_weights,
     read_checkpoint,
 )
-from blockdraft.models.registry import resolve_architecture
+from blockdraft.models.registry import resolve_architecture, resolve_drafter
 from blockdraft.runtime.host_batch import build_attention_metadata
 from blockdraft.tokenizer import Tokenizer
 
@@ -151,6 +152,18 @@ def default_mask_token_id(tokenizer: Tokenizer | None, hf_config: dict) -> int:
     raise ValueError("found no unused special token for the mask: pass mask_token_id")
 
 
+@dataclasses.dataclass(frozen=True)
+class DFlash2Shape:
+    """A DFlash2 drafter's own `dflash_config` fields. The defaults are those of the published
+    drafters (incoai/Qwen3.8-27B-DFlash2: a two-tap convolution, groups of 16 channels, a rank
+    256 selector over the top 16 candidates)."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+
 def drafter_hf_config(
     target_hf: dict,
     *,
@@ -163,9 +176,11 @@ def drafter_hf_config(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     max_position_embeddings: int | None = None,
+    dflash2: DFlash2Shape | None = None,
 ) -> dict:
     """A z-lab `config.json` for a new drafter of `target_hf`: the target's widths (hidden,
-    heads, head_dim, MLP, eps, RoPE, vocab) with `num_layers` Qwen3 layers."""
+    heads, head_dim, MLP, eps, RoPE, vocab) with `num_layers` Qwen3 layers; a DFlash2 drafter
+    (`DFlash2DraftModel`, its convolutions and selector in `dflash_config`) with `dflash2`."""
     t = resolve_architecture(target_hf).parse_config(target_hf)
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(t.num_layers, num_target_features or num_layers)
@@ -176,7 +191,7 @@ def drafter_hf_config(
     layer_types = list(layer_types or ["full_attention"] * num_layers)
     sliding = "sliding_attention" in layer_types
     cfg = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [(DFlash2Config if dflash2 else DFlashConfig).architecture],
         "model_type": "qwen3",
         "hidden_size": t.hidden_size,
         "intermediate_size": intermediate_size or t.intermediate_size,
@@ -203,12 +218,13 @@ def drafter_hf_config(
         "dflash_config": {
             "mask_token_id": int(mask_token_id),
             "target_layer_ids": [int(i) for i in target_layer_ids],
+            **(dataclasses.asdict(dflash2) if dflash2 else {}),
         },
     }
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if target_hf.get(name) is not None:
             cfg[name] = target_hf[name]
-    DFlashConfig.from_hf(cfg)  # fail here, not at load time
+    resolve_drafter(cfg)  # fail here, not at load time
     return cfg
 
 
@@ -221,11 +237,21 @@ def trainable_parameters(drafter: DFlashDrafter) -> dict[str, torch.nn.Parameter
 @torch.no_grad()
 def init_drafter_weights(drafter: DFlashDrafter, seed: int, std: float = 0.02) -> None:
     """Normal(0, std) matrices, unit norm weights, drawn on the CPU so that a seed gives the
-    same drafter on every device."""
+    same drafter on every device. A fresh DFlash2 drafter starts as a DFlash one: its
+    convolutions are the identity (static kernel one at offset 0, no dynamic part) and its
+    selector adds nothing to the logits (a zero hidden projection, as LoRA starts one factor at
+    zero; unit normal codebooks, so that the projection's gradient is not zero too)."""
     g = torch.Generator().manual_seed(seed)
     for name, p in trainable_parameters(drafter).items():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif name.endswith("base_kernel"):  # [2, kernel_size, hidden]
+            p.zero_()
+            p[:, 0] = 1.0
+        elif name.endswith(("kernel_projection.weight", "hidden_projection.weight")):
+            p.zero_()
+        elif name.endswith("_codebook.weight"):
+            p.copy_(torch.randn(p.shape, generator=g))
         else:
             p.copy_(torch.randn(p.shape, generator=g) * std)
 
@@ -237,7 +263,7 @@ def save_drafter(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
-        name: p.detach().to("cpu", dtype).contiguous()
+        drafter.saved_name(name): p.detach().to("cpu", dtype).contiguous()
         for name, p in trainable_parameters(drafter).items()
     }
     cfg = dict(hf_config, torch_dtype=str(dtype).removeprefix("torch."))
@@ -261,10 +287,16 @@ def drafter_train_forward(
     block_ids: torch.Tensor,  # [Q] int64, [anchor, MASK x (B-1)] per block
     q_pos: torch.Tensor,  # [Q] int64
     attend: Attend,
+    block_len: int | None = None,
 ) -> torch.Tensor:  # [Q, hidden], after the final norm
     """`DFlashDrafter.write_context` + `forward` over a packed batch: context K/V from
-    fc/hidden_norm(features) at every layer, block queries, attention through `attend`."""
+    fc/hidden_norm(features) at every layer, block queries, attention through `attend`.
+    DFlash2 layers (`block_len` rows per block, the blocks back to back) also run their
+    convolutions around attention and MLP, within each block, as `DFlash2DecoderLayer` does."""
     cfg = drafter.cfg
+    convs = isinstance(drafter.cfg, DFlash2Config)
+    if convs and block_len is None:
+        raise ValueError("a DFlash2 drafter's training forward needs block_len")
     ctx = drafter.hidden_norm(drafter.fc(features))
     x = drafter.embed_tokens(block_ids)
     if cfg.input_embedding_scale != 1.0:
@@ -272,6 +304,8 @@ def drafter_train_forward(
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
+        if convs:
+            h, attn_kernel = layer.attention_conv.prepare(h, block_len)
         q = attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim)
         if attn.qk_norm:
             q = attn.q_norm(q)
@@ -283,9 +317,17 @@ def drafter_train_forward(
         dtype = v_blk.dtype
         k = torch.cat([k_ctx, k_blk]).to(dtype)
         v = torch.cat([v_ctx.to(dtype), v_blk])
-        out = attend(i, q.to(dtype), k, v)
-        x = x + attn.o_proj(out.flatten(1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = attn.o_proj(attend(i, q.to(dtype), k, v).flatten(1))
+        if convs:
+            out = layer.attention_conv.finish(out, attn_kernel, block_len)
+        x = x + out
+        h = layer.post_attention_layernorm(x)
+        if convs:
+            h, mlp_kernel = layer.mlp_conv.prepare(h, block_len)
+        h = layer.mlp(h)
+        if convs:
+            h = layer.mlp_conv.finish(h, mlp_kernel, block_len)
+        x = x + h
     return drafter.norm(x)
 
 

@@ -10,7 +10,8 @@ Per micro-batch of regenerated sequences:
    context before its anchor and to itself (dense SDPA on CPU, FlexAttention on GPU);
 4. cross-entropy of block offsets k = 1..B-1 against the sequence's tokens at anchor + k,
    weighted exp(-(k-1)/gamma): early offsets matter most, since a draft step's accepted length
-   stops at the first miss.
+   stops at the first miss. DFlash2 drafters (`arch="dflash2"`) add their candidate selector's
+   loss, weighted `selector_loss_weight` (`selector_loss.py`).
 AdamW, cosine schedule with warm-up, gradient clipping, bf16 autocast on GPU. Checkpoints
 (`checkpoints/step_N/`) are loadable drafters and carry the optimizer, scheduler, step and RNG
 state for `resume`; the final drafter goes to `out_dir`.
@@ -33,8 +34,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
+from blockdraft.models.dflash2_drafter import DFlash2Config
 from blockdraft.models.loader import iter_checkpoint_tensors, load_weights, read_checkpoint
+from blockdraft.models.registry import resolve_drafter
 from blockdraft.train.blocks import (
     IGNORE_INDEX,
     BlockLayout,
@@ -63,6 +65,7 @@ from blockdraft.train.data import (
 )
 from blockdraft.train.drafter import (
     Attend,
+    DFlash2Shape,
     TargetFeatures,
     block_loss,
     default_mask_token_id,
@@ -77,6 +80,16 @@ from blockdraft.train.drafter import (
 )
 from blockdraft.train.evaluate import block_acceptance_length, evaluate_acceptance
 from blockdraft.train.schedule import BatchSchedule, prepare_samples
+from blockdraft.train.selector_loss import selector_loss, true_predecessors
+
+
+@dataclasses.dataclass
+class BatchLoss:
+    loss: torch.Tensor  # [] the weighted loss the step minimises
+    hits: torch.Tensor  # [B] correct drafts per block offset
+    counts: torch.Tensor  # [B] counted drafts per block offset
+    selector_loss: torch.Tensor | None = None  # [] DFlash2: the selector's term, unweighted
+    candidate_recall: torch.Tensor | None = None  # [] DFlash2: labels among the candidates
 
 
 class Trainer:
@@ -95,7 +108,7 @@ class Trainer:
             cfg.model, target_dtype, self.device, self.max_positions, cfg.load_format
         )
         self.hf_config = self._drafter_config(target_hf)
-        dcfg = DFlashConfig.from_hf(self.hf_config)
+        dcfg, drafter_class = resolve_drafter(self.hf_config)
         dcfg.check_fits(self.target.cfg)
         self.dcfg = dcfg
         self.target.capture_layer_ids = dcfg.target_layer_ids
@@ -103,7 +116,7 @@ class Trainer:
         with torch.device(self.device):
             # Default dtype float32: master weights; bf16 only inside autocast. (No `.float()`:
             # it would also cast the target's shared embedding and LM head.)
-            self.drafter = DFlashDrafter(dcfg, self.target, self.max_positions)
+            self.drafter = drafter_class(dcfg, self.target, self.max_positions)
         self._init_weights()
         self.drafter.train()
         params = list(trainable_parameters(self.drafter).values())
@@ -170,9 +183,20 @@ class Trainer:
 
     def _drafter_config(self, target_hf: dict) -> dict:
         cfg = self.cfg
+        dflash2 = None
+        if cfg.arch == "dflash2":
+            given = {
+                name: getattr(cfg, name)
+                for name in DFlash2Shape.__dataclass_fields__
+                if getattr(cfg, name) is not None
+            }
+            dflash2 = DFlash2Shape(**given)
         if cfg.init_drafter:
             hf = json.loads((Path(cfg.init_drafter) / "config.json").read_text())
             hf.pop("torch_dtype", None)
+            if cfg.upgrades_init_drafter:
+                hf["architectures"] = [DFlash2Config.architecture]
+                hf["dflash_config"] = {**hf.get("dflash_config", {}), **dataclasses.asdict(dflash2)}
             return grow_drafter_config(hf, cfg.grow_layers)
         mask = cfg.mask_token_id
         if mask is None:
@@ -184,6 +208,7 @@ class Trainer:
             mask_token_id=mask,
             target_layer_ids=cfg.target_layer_ids,
             num_target_features=cfg.num_target_features,
+            dflash2=dflash2,
         )
 
     def _init_weights(self) -> None:
@@ -194,11 +219,18 @@ class Trainer:
         params = trainable_parameters(self.drafter)
         num_layers = self.dcfg.body.num_layers
         new = tuple(f"layers.{i}." for i in range(num_layers - cfg.grow_layers, num_layers))
-        if new:
+
+        def fresh(name: str) -> bool:  # not in the init drafter: starts as init_drafter_weights'
+            upgrade = "_conv." in name or name.startswith("candidate_selector.")
+            added = cfg.upgrades_init_drafter and upgrade
+            return name.startswith(new) or added
+
+        if any(fresh(name) for name in params):
             init_drafter_weights(self.drafter, cfg.seed)
+        tensors = iter_checkpoint_tensors(read_checkpoint(cfg.init_drafter))
         load_weights(
-            {name: p for name, p in params.items() if not name.startswith(new)},
-            iter_checkpoint_tensors(read_checkpoint(cfg.init_drafter)),
+            {name: p for name, p in params.items() if not fresh(name)},
+            ((self.drafter.checkpoint_name(name), t) for name, t in tensors),
             cfg.init_drafter,
             ignore=lambda name: (
                 name.startswith(("embed_tokens.", "lm_head.")) or "rotary_emb" in name
@@ -253,11 +285,10 @@ class Trainer:
             self._flex,
         )
 
-    def batch_loss(
-        self, m: int, attention: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Forward of micro-batch m: (weighted loss, correct drafts [B], counted drafts [B]),
-        per block offset. `attention` overrides the configured kernel (tests compare them)."""
+    def batch_loss(self, m: int, attention: str | None = None) -> BatchLoss:
+        """Forward of micro-batch m. `attention` overrides the configured kernel (tests compare
+        them). A DFlash2 draft is correct when the selector, after the true predecessor, picks
+        the true token (what its path walk drafts while the block is right so far)."""
         cfg, b = self.cfg, self.cfg.block_size
         samples, anchors = self.schedule.micro_batch(m)
         ids = [s.input_ids for s in samples]
@@ -269,37 +300,57 @@ class Trainer:
         attend = self._attend(layout, attention or cfg.attention)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=cfg.on_gpu):
             hidden = drafter_train_forward(
-                self.drafter, features, layout.ctx_pos, layout.block_ids, layout.q_pos, attend
+                self.drafter,
+                features,
+                layout.ctx_pos,
+                layout.block_ids,
+                layout.q_pos,
+                attend,
+                block_len=b,
             )
             offsets = layout.offsets[rows]
             weights = self.offset_weights[offsets]
+            labels = layout.labels[rows]
             loss_sum, correct = block_loss(
                 self.drafter,
                 hidden[rows],
-                layout.labels[rows],
+                labels,
                 weights,
                 cfg.loss_chunk_rows,
                 fused=cfg.fused_loss,
             )
             loss = loss_sum / weights.sum()
+            selector = candidates = None
+            if cfg.arch == "dflash2":
+                predecessors = true_predecessors(
+                    layout.block_ids, layout.labels, layout.offsets, rows
+                )
+                selector, in_candidates, correct = selector_loss(
+                    self.drafter, hidden[rows], predecessors, labels, weights, cfg.loss_chunk_rows
+                )
+                loss = loss + cfg.selector_loss_weight * selector
+                candidates = in_candidates.float().mean()
         hits = torch.zeros(b, device=self.device).index_add_(0, offsets, correct.float())
         counts = torch.zeros(b, device=self.device).index_add_(0, offsets, torch.ones_like(weights))
-        return loss, hits, counts
+        return BatchLoss(loss, hits, counts, selector, candidates)
 
     def train_step(self) -> StepStats:
         cfg = self.cfg
         t0 = time.perf_counter()
         b = cfg.block_size
-        loss_total = torch.zeros((), device=self.device)
+        # loss, selector loss, candidate recall: means over the micro-batches
+        means = torch.zeros(3, device=self.device)
         hits = torch.zeros(b, device=self.device)
         counts = torch.zeros(b, device=self.device)
         for micro in range(cfg.grad_accum):
-            loss, h, c = self.batch_loss(self.step * cfg.grad_accum + micro)
-            (loss / cfg.grad_accum).backward()
-            loss = loss.detach()
-            loss_total += loss / cfg.grad_accum
-            hits += h
-            counts += c
+            out = self.batch_loss(self.step * cfg.grad_accum + micro)
+            (out.loss / cfg.grad_accum).backward()
+            means[0] += out.loss.detach() / cfg.grad_accum
+            if out.selector_loss is not None:
+                means[1] += out.selector_loss.detach() / cfg.grad_accum
+                means[2] += out.candidate_recall / cfg.grad_accum
+            hits += out.hits
+            counts += out.counts
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -307,14 +358,18 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        accuracy = (hits[1:] / counts[1:].clamp(min=1)).tolist()  # one host sync per step
+        values = torch.cat([hits[1:] / counts[1:].clamp(min=1), means]).tolist()  # one sync
+        *accuracy, loss, selector, recall = values
+        dflash2 = cfg.arch == "dflash2"
         return StepStats(
             step=self.step,
-            loss=float(loss_total),
+            loss=loss,
             accuracy=accuracy,
             acceptance_length=block_acceptance_length(accuracy),
             lr=lr,
             seconds=time.perf_counter() - t0,
+            selector_loss=selector if dflash2 else None,
+            candidate_recall=recall if dflash2 else None,
         )
 
     # -- checkpoints and evaluation ----------------------------------------------------------

@@ -1,5 +1,6 @@
-"""benchmarks/train_bench.py on a tiny random target: it runs, reports what it says, and the
-two loss paths (float32 and the fused kernel, interpreted here) start from the same loss."""
+"""benchmarks/train_bench.py on a tiny random target, DFlash and DFlash2: it runs, reports what
+it says, and the two loss paths (float32 and the fused kernel, interpreted here) start from the
+same loss."""
 
 import json
 import math
@@ -13,7 +14,8 @@ from blockdraft.train.trainer import TrainConfig
 
 
 @pytest.mark.slow
-def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys, arch: str) -> None:
     out = tmp_path / "bench.json"
     argv = [
         "train_bench",
@@ -34,6 +36,8 @@ def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
         "both",
         "--json",
         str(out),
+        "--arch",
+        arch,
     ]
     monkeypatch.setattr(sys, "argv", argv)
     train_bench.main()
@@ -46,7 +50,8 @@ def test_train_bench_tiny(tmp_path: Path, monkeypatch, capsys) -> None:
     assert runs["fused"]["first_step_loss"] == pytest.approx(
         runs["float32"]["first_step_loss"], rel=1e-4
     )
-    assert "drafter training step" in capsys.readouterr().out
+    assert report["arch"] == arch
+    assert f"3-layer {arch} drafter" in capsys.readouterr().out
 
 
 def test_load_format_is_checked(tmp_path: Path) -> None:

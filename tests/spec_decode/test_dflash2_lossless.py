@@ -10,7 +10,12 @@ import torch
 from blockdraft import LLM, SamplingParams
 
 from checkpoints import make_predictable_target, make_qwen3_checkpoint, zlab_full_block_steps
-from dflash2_checkpoints import make_dflash2_drafter, zlab2_first_step, zlab2_generate
+from dflash2_checkpoints import (
+    make_dflash2_drafter,
+    spy_proposals,
+    zlab2_first_step,
+    zlab2_generate,
+)
 from sampling_checks import assert_same_token_law, seeded_samples, two_sample_pvalue
 
 
@@ -86,20 +91,6 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
     assert out[0].spec_accept_lengths[:full_steps] == ref_lengths[:full_steps]
     if kind == "agreeing":
         assert max(ref_lengths) > 4
-
-
-def spy_proposals(llm) -> list[torch.Tensor]:
-    """Records the draft tokens [R, N] of every propose step of `llm`."""
-    seen: list[torch.Tensor] = []
-    propose = llm.engine.proposer.propose
-
-    def spy(*args, **kwargs):
-        tokens, probs = propose(*args, **kwargs)
-        seen.append(tokens.clone())
-        return tokens, probs
-
-    llm.engine.proposer.propose = spy
-    return seen
 
 
 @pytest.mark.parametrize("kind", ["random", "agreeing"])

@@ -12,7 +12,8 @@ import torch
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.cli import main as cli_main
-from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter, load_drafter
+from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
+from blockdraft.models.registry import resolve_drafter
 from blockdraft.train import (
     TrainConfig,
     build_block_mask,
@@ -25,6 +26,7 @@ from blockdraft.train import (
 )
 from blockdraft.train.blocks import IGNORE_INDEX, BlockLayout
 from blockdraft.train.drafter import (
+    DFlash2Shape,
     TargetFeatures,
     block_loss,
     default_mask_token_id,
@@ -44,6 +46,7 @@ from checkpoints import (
     make_qwen3_checkpoint,
     zlab_first_draft_logits,
 )
+from dflash2_checkpoints import load_zlab_dflash2_strict
 
 VOCAB = 128
 MAX_TOKENS = 48
@@ -348,13 +351,22 @@ def test_block_mask_matches_brute_force(causal: bool, window: int | None) -> Non
 def build_drafter(
     setup: dict[str, Path], **kw: object
 ) -> tuple[DFlashDrafter, dict, TargetFeatures]:
-    """A fresh drafter for the test target, its config.json dict, and its target's features."""
+    """A fresh drafter for the test target, its config.json dict, and its target's features.
+    A DFlash2 drafter (`dflash2=DFlash2Shape(...)`) gets random convolutions, not identities."""
     target, tokenizer, hf = load_target(
         str(setup["target"]), torch.float32, torch.device("cpu"), 256
     )
     cfg = drafter_hf_config(hf, mask_token_id=default_mask_token_id(tokenizer, hf), **kw)
-    drafter = DFlashDrafter(DFlashConfig.from_hf(cfg), target, 256)
+    dcfg, drafter_class = resolve_drafter(cfg)
+    drafter = drafter_class(dcfg, target, 256)
     init_drafter_weights(drafter, seed=3, std=0.1)  # large weights: a sharp comparison
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if "_conv." in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            if name.endswith("base_kernel"):
+                p[:, 0] += 1.0
     target.capture_layer_ids = drafter.cfg.target_layer_ids
     return drafter, cfg, TargetFeatures(target)
 
@@ -378,42 +390,56 @@ def train_logits(
     attend = dense_attend(drafter, {k: build_block_mask(layout, *k) for k in kinds})
     with torch.no_grad():
         hidden = drafter_train_forward(
-            drafter, features, layout.ctx_pos, layout.block_ids, layout.q_pos, attend
+            drafter,
+            features,
+            layout.ctx_pos,
+            layout.block_ids,
+            layout.q_pos,
+            attend,
+            block_len=layout.block_size,
         )
         return drafter.compute_logits(hidden)
 
 
-@pytest.mark.parametrize("kind", ["full", "sliding"])
+@pytest.mark.parametrize("kind", ["full", "sliding", "dflash2"])
 def test_packed_forward_matches_zlab_per_block(
     setup: dict[str, Path], tmp_path: Path, kind: str
 ) -> None:
-    """Every block of a packed batch gets the logits z-lab's DFlashDraftModel computes for that
-    block alone (context = the target's hidden states before its anchor), after a save and a
-    load by z-lab; and our load_drafter reproduces the trained module bit for bit."""
+    """Every block of a packed batch gets the logits z-lab's DFlashDraftModel (DFlash2DraftModel:
+    its convolutions within the block) computes for that block alone (context = the target's
+    hidden states before its anchor), after a save and a load by z-lab with every tensor in
+    place; and our load_drafter reproduces the trained module bit for bit."""
     import dflash.model as zlab
 
     b = 6
-    extra = (
-        {}
-        if kind == "full"
-        else dict(
+    extra = {
+        "full": {},
+        "sliding": dict(
             num_layers=2,
             layer_types=["sliding_attention", "full_attention"],
             sliding_window=4,
             target_layer_ids=[0, 3],
-        )
-    )
+        ),
+        "dflash2": dict(num_layers=2, dflash2=DFlash2Shape(3, 16, 8, 6)),
+    }[kind]
     drafter, cfg, target_features = build_drafter(setup, block_size=b, **extra)
     out = save_drafter(drafter, cfg, tmp_path / "drafter", torch.float32)
     seqs, anchors, layout = packed_case(drafter, b)
     features = target_features(layout.input_ids, layout.seq_lens)
     ours = train_logits(drafter, layout, features)
 
-    loaded = load_drafter(str(out), target_features.target, 256, torch.float32, torch.device("cpu"))
+    loaded = load_drafter(
+        str(out),
+        target_features.target,
+        256,
+        torch.float32,
+        torch.device("cpu"),
+        drafter_class=type(drafter),
+    )
     assert torch.equal(train_logits(loaded, layout, features), ours)
 
     hf_target = load_hf_target(setup["target"])
-    ref_model = load_zlab_drafter(out)
+    ref_model = load_zlab_dflash2_strict(out) if kind == "dflash2" else load_zlab_drafter(out)
     row = 0
     for tokens, anchor_list in zip(seqs, anchors, strict=True):
         ids = torch.tensor([tokens])
