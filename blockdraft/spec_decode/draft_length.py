@@ -26,7 +26,9 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
   unpredictable pays ever less for probes), and returns to PROBE_INTERVAL when it rose (a
   request becoming predictable needs a few probes to lift its estimate) or once drafting pays
-  again.
+  again; after a probe that found nothing it is never shorter than what keeps probes within
+  PROBE_BUDGET of plain decoding's time (where a probe step costs two decode steps, as on the
+  CPU, probes every 8 steps alone cost 12%).
 
 Everything here runs on the host each step over plain floats: no tensor, no device sync.
 The choice lags the readback by one step (drafts are proposed before the step's tokens are
@@ -35,6 +37,7 @@ read back), and any N is lossless: the verify takes whatever the drafter propose
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -63,6 +66,10 @@ CALIBRATION_STEPS = 4
 RECALIBRATE_INTERVAL = 256
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
+# Once a probe has found nothing, later ones may cost at most this share of plain decoding's time:
+# the interval is at least (cost of the probe step / a decode step - 1) / PROBE_BUDGET (on 2
+# CPU cores a probe costs ~2 decode steps: ~50 steps apart; on an H200 ~1.2: 10 apart).
+PROBE_BUDGET = 0.02
 
 
 @dataclass(frozen=True)
@@ -238,11 +245,18 @@ class DraftLengthChooser:
             self.alpha_bin_since_probe = min(self.alpha_bin_since_probe, mean_bin)
             return 0
         rose = mean_bin > self.alpha_bin_since_probe
-        self.probe_interval = (
-            PROBE_INTERVAL if rose else min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
-        )
+        probe = allowed[1]  # the smallest N that drafts
+        floor = self._probe_floor(batch, probe)
+        self.probe_interval = PROBE_INTERVAL if rose else max(2 * self.probe_interval, floor)
+        self.probe_interval = min(self.probe_interval, MAX_PROBE_INTERVAL)
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
-        return allowed[1]  # a probe: the smallest N that drafts
+        return probe
+
+    def _probe_floor(self, batch: int, probe: int) -> int:
+        """The fewest steps between probes that keeps their extra cost within PROBE_BUDGET of
+        plain decoding's time."""
+        extra = self.costs.cost(batch, probe) / self.costs.cost(batch, 0) - 1.0
+        return math.ceil(max(extra, 0.0) / PROBE_BUDGET)
 
     def _calibrating(self, batch: int) -> bool:
         """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met

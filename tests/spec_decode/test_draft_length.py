@@ -5,6 +5,7 @@ expected tokens per second."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from blockdraft.spec_decode.draft_length import (
     COST_WINDOW,
     MAX_PROBE_INTERVAL,
     MIN_DRAFT_GAIN,
+    PROBE_BUDGET,
     PROBE_INTERVAL,
     RECALIBRATE_INTERVAL,
     AcceptanceEstimate,
@@ -96,6 +98,28 @@ def test_zero_when_drafts_never_land_and_probes_back_off(rng) -> None:
     assert gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_INTERVAL, gaps
     assert len(probes) <= 10
     assert all(e.alpha_bin <= ALPHA_BINS // 8 for e in estimates)
+
+
+def test_expensive_probes_stay_within_their_budget(rng) -> None:
+    """Where a probe step costs about two decode steps (the CPU), probes after the first that
+    finds nothing are PROBE_BUDGET's interval apart at least: their extra time stays within
+    the budget of plain decoding's."""
+    r = py_random(rng)
+    batch = r.randint(1, 4)
+    chooser = chooser_with_costs(r, range(1, 5), r.uniform(0.8, 1.2), r.uniform(0.0, 0.05))
+    estimates = [AcceptanceEstimate() for _ in range(batch)]
+    chosen = run(chooser, estimates, [0.0] * batch, r, 600)
+    # Past the fresh prior's drafts and the first probe after them (PROBE_INTERVAL later).
+    probes = [i for i, n in enumerate(chosen) if n and i > 4 * PROBE_INTERVAL]
+    floor = math.ceil(
+        (chooser.costs.cost(batch, 1) / chooser.costs.cost(batch, 0) - 1) / PROBE_BUDGET
+    )
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps and min(gaps) >= min(floor, MAX_PROBE_INTERVAL), (floor, gaps)
+    extra = sum(
+        chooser.costs.cost(batch, n) / chooser.costs.cost(batch, 0) - 1 for n in chosen[probes[0] :]
+    )
+    assert extra <= PROBE_BUDGET * len(chosen[probes[0] :]) + 2.5  # + the last probe's own
 
 
 def test_most_drafts_when_they_always_land(rng) -> None:
