@@ -22,7 +22,13 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from benchmarks.common import DFLASH2_FIELDS, hardware, print_table, write_dummy_drafter
+from benchmarks.common import (
+    DFLASH2_FIELDS,
+    device_kernels,
+    hardware,
+    print_table,
+    write_dummy_drafter,
+)
 from benchmarks.shapes import SHAPES
 from blockdraft.engine.kv_cache import allocate_kv_cache
 from blockdraft.layers.linear import fuse_projections
@@ -145,6 +151,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="top kernels at the smallest batch, T=0")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -158,6 +165,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     max_positions = args.context_len + 4 * args.block
     width = -(-(args.context_len + args.block) // KV_BLOCK)
     times: dict[tuple[str, int, float], float] = {}
+    profiled: list[list[object]] = []
     for name, dflash2 in (("DFlash", None), ("DFlash2", fields)):
         drafter_dir = write_dummy_drafter(
             tmp / name, target_hf, layers, args.block, with_weights=False, dflash2=dflash2
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
                 times[name, batch, temperature] = step_ms(
                     proposer, batch, num_drafts, args.context_len, temperature, args.steps
                 )
+        if args.profile and device.type == "cuda":
+            batch = min(args.batches)
+            profiled += profile_step(proposer, name, batch, num_drafts, args.context_len)
         del proposer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -192,7 +203,29 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         ["batch", "T", "DFlash ms", "DFlash2 ms", "DFlash2/DFlash"],
         rows,
     )
+    if profiled:
+        print_table(
+            f"GPU ms per drafter step by kernel, batch {min(args.batches)}, T = 0",
+            ["drafter", "kernel", "ms"],
+            profiled,
+        )
     return rows
+
+
+def profile_step(
+    proposer: DFlashProposer, name: str, batch: int, num_drafts: int, context_len: int
+) -> list[list[object]]:
+    """The top kernels of the drafter step at `batch` (its graph captured already), T = 0."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step_ms(proposer, batch, num_drafts, context_len, 0.0, steps)
+    calls = steps + 3  # step_ms's warm-up calls too
+    kernels = device_kernels(prof)
+    total = sum(k.self_device_time_total for k in kernels) / 1e3 / calls
+    top = [[name, k.key[:70], k.self_device_time_total / 1e3 / calls] for k in kernels[:10]]
+    return [[name, "all kernels", total], *top]
 
 
 if __name__ == "__main__":
