@@ -3,8 +3,9 @@ the projected q|k|v conv inputs, b|a and the gate z to the gated-normed core tha
 reads. Each program, one per (sequence, value head), reads its slot's conv state, runs the
 causal conv (SiLU) of its key head's q and k channels and of its value channels, forms g and
 beta, L2-normalises q and k, advances its head's float32 state [Dk, Dv] in blocks of value
-dims (each stored back as it is done), and normalises its head's output (RMSNorm gated by
-silu(z)) in a second pass over the un-normed output it stored.
+dims (each stored back as it is done; a whole 128 x 128 head at once would not fit in
+registers), and normalises its head's output (RMSNorm gated by silu(z)) in a second pass over
+the un-normed output it stored.
 
 The programs of the value heads that share a key head all read that key head's q/k conv state;
 the one that arrives last (an atomic counter per (sequence, key head), reset by it) shifts that
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.gated_delta_rule import gated_deltanet_decode_torch
+from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 
 __all__ = ["gated_deltanet_decode_torch", "triton_gated_deltanet_decode"]
 
@@ -102,7 +104,9 @@ def _gated_deltanet_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
+    pdl_start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     k_head = head // groups
@@ -194,7 +198,7 @@ def triton_gated_deltanet_decode(
     slots: torch.Tensor,  # [S] int64 each sequence's slot (-1: the spare last)
     fresh: torch.Tensor,  # [S] bool: start from zero states
     counters: torch.Tensor | None = None,  # [>= S * Hk] int32 zeros, kept between launches
-    block_v: int | None = None,  # value dims a program's state block holds (default: all)
+    block_v: int | None = None,  # value dims of a program's state block (default: up to 32)
 ) -> torch.Tensor:  # [S, Hv * Dv] qkv's dtype
     """`gated_deltanet_decode_torch` in one launch. `counters` (zeros, left as zeros) saves an
     allocation per call."""
@@ -208,15 +212,18 @@ def triton_gated_deltanet_decode(
     if counters is None or counters.numel() < s * hk:
         counters = torch.zeros(s * hk, dtype=torch.int32, device=qkv.device)
     bk = triton.next_power_of_2(dk)
-    bv = block_v or triton.next_power_of_2(dv)
+    # Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads
+    # spill heavily (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes).
+    bv = block_v or min(triton.next_power_of_2(dv), 32)
     qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
     product_ty = torch.result_type(norm_weight, out)
+    pdl = pdl_enabled(qkv.device)
     _gated_deltanet_decode_kernel[(s, hv)](
         qkv, b_a, z, conv_weight.contiguous(), a_log, dt_bias, norm_weight,
         conv_pool, state_pool, slots % state_pool.shape[0], fresh.to(torch.int8), counters, out,
         qkv.stride(0), b_a.stride(0), z.stride(0),
         hk, hv, dk, dv, hv // hk, dk**-0.5, 1e-6, norm_eps,
         K=k_taps, BK=bk, BV=bv, ROUND_PRODUCT=product_ty == out.dtype != torch.float32,
-        num_warps=8 if bk * bv >= 16384 else 4,
+        PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out

@@ -44,7 +44,7 @@ def step_inputs(rng, s: int, hv: int, dv: int, conv_dim: int, dtype: torch.dtype
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads, dims, taps, block_v",
-    [((2, 6), (12, 20), 4, None), ((1, 2), (16, 24), 3, 8), ((3, 3), (8, 8), 4, None)],
+    [((2, 6), (12, 40), 4, None), ((1, 2), (16, 24), 3, 8), ((3, 3), (8, 8), 4, None)],
 )
 def test_decode_step_matches_twin(
     rng, dtype: torch.dtype, heads: tuple, dims: tuple, taps: int, block_v: int | None
