@@ -85,13 +85,14 @@ def _gated_deltanet_decode_kernel(
     norm_weight_ptr,  # [Dv]
     conv_ptr,  # [num_slots, K - 1, conv_dim] contiguous
     state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
-    slots_ptr,  # [S] int64, in range
-    fresh_ptr,  # [S] int8
+    slots_ptr,  # [S] int64 (-1: the last slot)
+    fresh_ptr,  # [S] bool
     counters_ptr,  # [>= S * Hk] int32 zeros; left as zeros
     out_ptr,  # [S, Hv * Dv] contiguous, qkv's dtype
     stride_qkv,
     stride_ba,
     stride_z,
+    num_slots,
     Hk,
     Hv,
     Dk,
@@ -113,6 +114,7 @@ def _gated_deltanet_decode_kernel(
     out_ty = out_ptr.dtype.element_ty
     conv_dim = 2 * Hk * Dk + Hv * Dv
     slot = tl.load(slots_ptr + seq)
+    slot = tl.where(slot < 0, slot + num_slots, slot)
     keep = tl.load(fresh_ptr + seq) == 0
     row_ptr = qkv_ptr + seq * stride_qkv
     conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
@@ -220,9 +222,9 @@ def triton_gated_deltanet_decode(
     pdl = pdl_enabled(qkv.device)
     _gated_deltanet_decode_kernel[(s, hv)](
         qkv, b_a, z, conv_weight.contiguous(), a_log, dt_bias, norm_weight,
-        conv_pool, state_pool, slots % state_pool.shape[0], fresh.to(torch.int8), counters, out,
+        conv_pool, state_pool, slots, fresh, counters, out,
         qkv.stride(0), b_a.stride(0), z.stride(0),
-        hk, hv, dk, dv, hv // hk, dk**-0.5, 1e-6, norm_eps,
+        state_pool.shape[0], hk, hv, dk, dv, hv // hk, dk**-0.5, 1e-6, norm_eps,
         K=k_taps, BK=bk, BV=bv, ROUND_PRODUCT=product_ty == out.dtype != torch.float32,
         PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip

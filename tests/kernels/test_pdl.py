@@ -86,7 +86,8 @@ def signature(kernel, const, out_f32):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ("*fp32" if name in F32 or (out_f32 and name == "out_ptr") else
-                         "*i32" if name in I32 else "*i64" if name in I64 else "*bf16")
+                         "*i32" if name in I32 else "*i64" if name in I64 else
+                         "*i1" if name == "fresh_ptr" else "*bf16")
         else:
             sig[name] = "fp32" if name.endswith("eps") or name.endswith("scale") else "i32"
     return sig
