@@ -63,15 +63,18 @@ def _shift_conv_state(
     keep,  # scalar: the conv state holds inputs (not fresh)
     conv_dim,
     K: tl.constexpr,
+    KP: tl.constexpr,  # K - 1 rounded up to a power of two
 ):
     """The conv state after this input: its last K - 2 rows moved up, the input appended (a
-    fresh sequence's zeros stay zeros)."""
-    state_ty = conv_ptr.dtype.element_ty
-    for j in tl.static_range(K - 2):
-        x = tl.load(conv_ptr + (j + 1) * conv_dim + ch, mask=mask & keep, other=0.0)
-        tl.store(conv_ptr + j * conv_dim + ch, x, mask=mask)
-    x = tl.load(row_ptr + ch, mask=mask, other=0.0).to(state_ty)
-    tl.store(conv_ptr + (K - 2) * conv_dim + ch, x, mask=mask)
+    fresh sequence's zeros stay zeros). Threads holding copies of a channel each read it, so
+    every read of the state (the conv's too) comes before the barrier, every write after."""
+    rows = tl.arange(0, KP)[:, None]
+    ptrs = conv_ptr + rows * conv_dim + ch[None, :]
+    shifted = tl.load(ptrs + conv_dim, mask=(rows < K - 2) & mask[None, :] & keep, other=0.0)
+    x = tl.load(row_ptr + ch, mask=mask, other=0.0).to(conv_ptr.dtype.element_ty)
+    shifted = tl.where(rows == K - 2, x[None, :], shifted)
+    tl.debug_barrier()
+    tl.store(ptrs, shifted, mask=(rows < K - 1) & mask[None, :])
 
 
 @triton.jit
@@ -102,6 +105,7 @@ def _gated_deltanet_decode_kernel(
     l2_eps,
     norm_eps,
     K: tl.constexpr,
+    KP: tl.constexpr,  # K - 1 rounded up to a power of two
     BK: tl.constexpr,
     BV: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
@@ -133,8 +137,8 @@ def _gated_deltanet_decode_kernel(
     counter = counters_ptr + seq * Hk + k_head
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == groups - 1:
         tl.store(counter, 0)  # ready for the next launch
-        _shift_conv_state(row_ptr, conv_slot_ptr, q_ch, mask_k, keep, conv_dim, K)
-        _shift_conv_state(row_ptr, conv_slot_ptr, k_ch, mask_k, keep, conv_dim, K)
+        _shift_conv_state(row_ptr, conv_slot_ptr, q_ch, mask_k, keep, conv_dim, K, KP)
+        _shift_conv_state(row_ptr, conv_slot_ptr, k_ch, mask_k, keep, conv_dim, K, KP)
 
     b = tl.load(ba_ptr + seq * stride_ba + head)
     beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
@@ -151,13 +155,14 @@ def _gated_deltanet_decode_kernel(
         mask_v = offs_v < Dv
         v_ch = 2 * Hk * Dk + head * Dv + offs_v
         v = _conv_channels(row_ptr, conv_weight_ptr, conv_slot_ptr, v_ch, mask_v, keep, conv_dim, K)
-        _shift_conv_state(row_ptr, conv_slot_ptr, v_ch, mask_v, keep, conv_dim, K)
+        _shift_conv_state(row_ptr, conv_slot_ptr, v_ch, mask_v, keep, conv_dim, K, KP)
         mask = mask_k[:, None] & mask_v[None, :]
         state_ptrs = state_head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
         state = tl.load(state_ptrs, mask=mask & keep, other=0.0) * decay
         predicted = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state recalls for k
         delta = (v - predicted) * beta
         state = state + k[:, None] * delta[None, :]
+        tl.debug_barrier()  # (small blocks: copies of the state block are all read first)
         tl.store(state_ptrs, state, mask=mask)
         core = tl.sum(state * q[:, None], axis=0).to(out_ty)
         tl.store(out_head_ptr + offs_v, core, mask=mask_v)
@@ -177,6 +182,7 @@ def _gated_deltanet_decode_kernel(
         gate = tl.load(z_ptr + seq * stride_z + head * Dv + offs_v, mask=mask_v, other=0.0)
         gate = gate.to(tl.float32)
         y = y * (gate / (1.0 + tl.exp(-gate)))
+        tl.debug_barrier()  # every copy of the un-normed block is read before it is replaced
         tl.store(out_head_ptr + offs_v, y.to(out_ty), mask=mask_v)
 
 
@@ -218,14 +224,15 @@ def triton_gated_deltanet_decode(
     # spill heavily (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes).
     bv = block_v or min(triton.next_power_of_2(dv), 32)
     qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
-    product_ty = torch.result_type(norm_weight, out)
+    round_product = torch.result_type(norm_weight, out) == out.dtype != torch.float32
     pdl = pdl_enabled(qkv.device)
     _gated_deltanet_decode_kernel[(s, hv)](
         qkv, b_a, z, conv_weight.contiguous(), a_log, dt_bias, norm_weight,
         conv_pool, state_pool, slots, fresh, counters, out,
         qkv.stride(0), b_a.stride(0), z.stride(0),
         state_pool.shape[0], hk, hv, dk, dv, hv // hk, dk**-0.5, 1e-6, norm_eps,
-        K=k_taps, BK=bk, BV=bv, ROUND_PRODUCT=product_ty == out.dtype != torch.float32,
+        K=k_taps, KP=triton.next_power_of_2(k_taps - 1), BK=bk, BV=bv,
+        ROUND_PRODUCT=round_product,
         PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out

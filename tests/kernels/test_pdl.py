@@ -131,7 +131,7 @@ variants = {
     "rms norm + residual": (_rms_norm_kernel, dict(BLOCK=4096, HAS_RESIDUAL=True), {}),
     "silu mul": (_silu_mul_kernel, dict(BLOCK=1024), {}),
     "gated deltanet decode": (_gated_deltanet_decode_kernel,
-                              dict(K=4, BK=128, BV=32, ROUND_PRODUCT=True), {}),
+                              dict(K=4, KP=4, BK=128, BV=32, ROUND_PRODUCT=True), {}),
 }
 out = {}
 for name, (kernel, const, kw) in variants.items():
