@@ -153,12 +153,13 @@ def _gated_deltanet_decode_kernel(
     for v0 in range(0, Dv, BV):
         offs_v = v0 + tl.arange(0, BV)
         mask_v = offs_v < Dv
+        mask = mask_k[:, None] & mask_v[None, :]
+        state_ptrs = state_head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
+        state = tl.load(state_ptrs, mask=mask & keep, other=0.0)  # in flight over the shift
         v_ch = 2 * Hk * Dk + head * Dv + offs_v
         v = _conv_channels(row_ptr, conv_weight_ptr, conv_slot_ptr, v_ch, mask_v, keep, conv_dim, K)
         _shift_conv_state(row_ptr, conv_slot_ptr, v_ch, mask_v, keep, conv_dim, K, KP)
-        mask = mask_k[:, None] & mask_v[None, :]
-        state_ptrs = state_head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
-        state = tl.load(state_ptrs, mask=mask & keep, other=0.0) * decay
+        state = state * decay
         predicted = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state recalls for k
         delta = (v - predicted) * beta
         state = state + k[:, None] * delta[None, :]
