@@ -443,6 +443,13 @@ def main() -> None:
         "(KernelPolicy.fuse_kv_store_into_rope)",
     )
     p.add_argument(
+        "--fuse-gdn-decode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hybrid targets: a Gated DeltaNet layer's decode step in one kernel "
+        "(KernelPolicy.fuse_gated_deltanet_decode)",
+    )
+    p.add_argument(
         "--async-decode",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -468,6 +475,7 @@ def main() -> None:
         "fuse_kv_store_into_rope": args.fuse_kv_store,
         "silu_mul_prologue_max_rows": args.silu_mul_prologue_rows,
         "pdl_max_query_len": args.pdl_max_query_len,
+        "fuse_gated_deltanet_decode": args.fuse_gdn_decode,
     }  # None: the default policy's
     policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}

@@ -10,7 +10,9 @@ a row's length leave its state as it was, so one call advances requests by diffe
 of tokens and a step's arithmetic never depends on its batch mates (a verify's state at any
 accepted length is bit for bit the one plain decoding reaches). The recurrence over the
 engine's state slots (`recurrent_gated_delta_rule_pool_torch`) has a Triton twin
-(`triton_gated_delta_rule`); the prefill's chunked form runs in torch.
+(`triton_gated_delta_rule`); the prefill's chunked form runs in torch. A decode step's whole
+token mixer between the input and output projections (conv, gates, recurrence, gated norm:
+`gated_deltanet_decode_torch`) has a one-launch Triton twin (`triton_gated_deltanet_step`).
 """
 
 from __future__ import annotations
@@ -51,6 +53,32 @@ def causal_conv1d_torch(
     for j in range(1, k):
         out = out + x[:, j : j + t] * w[:, j]
     return lanewise(F.silu, out.to(window.dtype))
+
+
+def gate_inputs_torch(
+    b_a: torch.Tensor,  # [..., 2 * Hv]: b then a
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [..., Hv] float32 log decay, beta [..., Hv] b's dtype
+    """`g = -exp(A_log) softplus(a + dt_bias)` (float32) and `beta = sigmoid(b)`."""
+    b, a = b_a.split(b_a.shape[-1] // 2, dim=-1)
+    beta = lanewise(torch.sigmoid, b)
+    g = -a_log.float().exp() * lanewise(F.softplus, a.float() + dt_bias)
+    return g, beta
+
+
+def rms_norm_gated_torch(
+    x: torch.Tensor,  # [..., D]
+    gate: torch.Tensor,  # [..., D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+) -> torch.Tensor:  # [..., D], x's dtype
+    """`weight * rms_norm(x) * silu(gate)`: normalised in float32, rounded back to x's dtype
+    before the weight, gated in float32 (transformers' `Qwen3_5RMSNormGated`)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * x32.to(x.dtype)
+    return (out * F.silu(gate.float())).to(x.dtype)
 
 
 def l2norm_torch(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:  # [..., D] float32
@@ -165,3 +193,40 @@ def chunk_gated_delta_rule_torch(
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :num_tokens]
     return out.transpose(1, 2).to(value.dtype), state
+
+
+def gated_deltanet_decode_torch(
+    qkv: torch.Tensor,  # [S, conv_dim] conv inputs, one row a sequence: q | k | v channels
+    b_a: torch.Tensor,  # [S, 2 * Hv]: b then a
+    z: torch.Tensor,  # [S, Hv * Dv] output gate
+    conv_weight: torch.Tensor,  # [conv_dim, K] depthwise taps
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    norm_weight: torch.Tensor,  # [Dv]
+    norm_eps: float,
+    num_k_heads: int,
+    conv_pool: torch.Tensor,  # [num_slots, K - 1, conv_dim] per-request conv states
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 per-request states
+    slots: torch.Tensor,  # [S] int64 each sequence's slot (-1: the spare last)
+    fresh: torch.Tensor,  # [S] bool: start from zero states (the slot is not read)
+) -> torch.Tensor:  # [S, Hv * Dv] qkv's dtype: the gated-normed core, out_proj's input
+    """One decode token of S sequences through a Gated DeltaNet layer's token mixer, from and
+    into their slots: the causal conv (SiLU) over the slot's conv state and the new input, g
+    and beta, the recurrence, the per-head gated RMSNorm; both states are stored. The same
+    operations, in the same order, as `GatedDeltaNet`'s step path for one-row sequences."""
+    s, num_v_heads, v_head_dim = qkv.shape[0], b_a.shape[-1] // 2, norm_weight.shape[0]
+    key_dim = (qkv.shape[-1] - num_v_heads * v_head_dim) // 2
+    conv_old = conv_pool[slots]
+    keep = ~fresh[:, None, None]
+    window = torch.cat((torch.where(keep, conv_old, 0), qkv[:, None].to(conv_old.dtype)), dim=1)
+    mixed = causal_conv1d_torch(window, conv_weight).to(qkv.dtype)  # [S, 1, conv_dim]
+    g, beta = gate_inputs_torch(b_a[:, None], a_log, dt_bias)
+    q, k, v = mixed.split((key_dim, key_dim, num_v_heads * v_head_dim), dim=-1)
+    heads = (s, 1, num_k_heads, key_dim // num_k_heads)
+    q, k, v = q.reshape(heads), k.reshape(heads), v.reshape(s, 1, num_v_heads, v_head_dim)
+    ones = torch.ones_like(slots)
+    core = recurrent_gated_delta_rule_pool_torch(
+        q, k, v, g, beta, state_pool, slots, fresh, ones, ones.bool()
+    )[:, 0]  # [S, Hv, Dv]
+    conv_pool[slots] = window[:, 1:]
+    return rms_norm_gated_torch(core, z.reshape(core.shape), norm_weight, norm_eps).flatten(1)

@@ -47,6 +47,9 @@ class KernelPolicy:
     # attention kernel (0: never); decode only: at 16 rows the batch-8 DFlash step was slower
     # (7.96 vs 7.60-7.73 ms).
     rope_in_attention_max_query_len: int = 1
+    # A Gated DeltaNet layer's decode rows (one row a sequence, no verify block) run its whole
+    # token mixer (conv, gates, recurrence, gated norm) in one kernel, not ~30 small launches.
+    fuse_gated_deltanet_decode: bool = True
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps

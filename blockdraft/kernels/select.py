@@ -53,6 +53,7 @@ HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
 DynamicConvFn = Callable[..., torch.Tensor]
 GatedDeltaFn = Callable[..., torch.Tensor]
+GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
 
 Fn = TypeVar("Fn")
 
@@ -126,6 +127,20 @@ def get_gated_delta_rule_backend(device: torch.device | str | None = None) -> Ga
 
         return triton_gated_delta_rule.triton_recurrent_gated_delta_rule
     return recurrent_gated_delta_rule_pool_torch
+
+
+def get_gated_deltanet_decode_backend(
+    device: torch.device | str | None = None,
+) -> GatedDeltaNetDecodeFn | None:
+    """`fn(qkv, b_a, z, conv_weight, a_log, dt_bias, norm_weight, norm_eps, num_k_heads,
+    conv_pool, state_pool, slots, fresh, counters) -> out`: a Gated DeltaNet decode step's
+    token mixer in one Triton launch; None off the Triton path, where the layer's own torch
+    steps (`gated_deltanet_decode_torch` is what they compute) run."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_gated_deltanet_step
+
+        return triton_gated_deltanet_step.triton_gated_deltanet_decode
+    return None
 
 
 def get_rms_norm_backend(device: torch.device | str | None = None) -> RMSNormFn:

@@ -24,7 +24,6 @@ hold the rank's heads only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockdraft.distributed.tensor_parallel import (
@@ -33,13 +32,24 @@ from blockdraft.distributed.tensor_parallel import (
     current_tensor_parallel,
     tag_shard,
 )
-from blockdraft.kernels.forward_context import LinearStateMetadata, get_attention_metadata
+from blockdraft.kernels.forward_context import (
+    LinearStateMetadata,
+    current_kernel_policy,
+    get_attention_metadata,
+)
 from blockdraft.kernels.gated_delta_rule import (
     causal_conv1d_torch,
     chunk_gated_delta_rule_torch,
-    lanewise,
+    gate_inputs_torch,
+    rms_norm_gated_torch,
 )
-from blockdraft.kernels.select import PerDevice, get_gated_delta_rule_backend
+from blockdraft.kernels.select import (
+    GatedDeltaNetDecodeFn,
+    PerDevice,
+    get_gated_delta_rule_backend,
+    get_gated_deltanet_decode_backend,
+    needs_autograd,
+)
 from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 
 
@@ -57,10 +67,7 @@ class RMSNormGated(nn.Module):
         x: torch.Tensor,  # [..., hidden]
         gate: torch.Tensor,  # [..., hidden]
     ) -> torch.Tensor:  # [..., hidden], x's dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(x.dtype)
-        return (out * F.silu(gate.float())).to(x.dtype)
+        return rms_norm_gated_torch(x, gate, self.weight, self.eps)
 
 
 def _head_shards(
@@ -130,6 +137,9 @@ class GatedDeltaNet(nn.Module):
         self.stash_mixed: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
         self.stash_gb: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv] float32
         self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
+        self._fused_decode = PerDevice(get_gated_deltanet_decode_backend)  # Triton on CUDA
+        # Arrivals of a decode launch's programs per (sequence, key head), left zeroed.
+        self.decode_counters: torch.Tensor | None = None  # [num_slots * Hk] int32
         self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
     def fuse_projections(self) -> None:
@@ -160,6 +170,9 @@ class GatedDeltaNet(nn.Module):
         self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
+        self.decode_counters = torch.zeros(
+            num_slots * self.num_k_heads, dtype=torch.int32, device=device
+        )
 
     def forward(
         self,
@@ -176,12 +189,32 @@ class GatedDeltaNet(nn.Module):
             qkv, z, ba = linear(x, *self._in_proj).split(
                 (self.conv_dim, self.value_dim, 2 * self.num_v_heads), dim=-1
             )
-        core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
-        z = z.reshape(core.shape)
-        out = self.norm(core, z).flatten(1)
+        fused = self._decode_kernel(meta, qkv)
+        if fused is not None:
+            out = fused(
+                qkv, ba, z, self.conv1d.weight.view(self.conv_dim, -1), self.A_log,
+                self.dt_bias, self.norm.weight, self.norm.eps, self.num_k_heads,
+                self.conv_state, self.recurrent_state, meta.state_slots, meta.fresh,
+                self.decode_counters,
+            )  # fmt: skip
+        else:
+            core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
+            out = self.norm(core, z.reshape(core.shape)).flatten(1)
         if self.tp is not None:
             return row_parallel_linear(self.tp, out, self.out_proj.weight, None)
         return linear(out, self.out_proj.weight)
+
+    def _decode_kernel(
+        self, meta: LinearStateMetadata, qkv: torch.Tensor
+    ) -> GatedDeltaNetDecodeFn | None:
+        """The one-launch decode kernel when this forward is decode rows only (one row a
+        sequence, in order) and the Triton path takes it; None: the step path below."""
+        step = meta.step
+        if meta.prefill or step is None or step.verify is not None or step.rows.shape[1] != 1:
+            return None
+        if not current_kernel_policy().fuse_gated_deltanet_decode or needs_autograd(qkv):
+            return None
+        return self._fused_decode(qkv.device)
 
     def _mix(
         self,
@@ -242,9 +275,7 @@ class GatedDeltaNet(nn.Module):
         window = torch.cat((torch.where(keep, conv_old, 0), x.to(conv_old.dtype)), dim=1)
         mixed = causal_conv1d_torch(window, self.conv1d.weight.view(self.conv_dim, -1))
         mixed = mixed.to(x.dtype)  # [S, T, conv_dim]
-        b, a = b_a.split(self.num_v_heads, dim=-1)
-        beta = lanewise(torch.sigmoid, b)
-        g = -self.A_log.float().exp() * lanewise(F.softplus, a.float() + self.dt_bias)
+        g, beta = gate_inputs_torch(b_a, self.A_log, self.dt_bias)
         if verify is not None:  # verify blocks keep their inputs for the commit
             v_slots, width = slots[verify], x.shape[1]
             self.stash_qkv[v_slots, :width] = x[verify].to(self.stash_qkv.dtype)

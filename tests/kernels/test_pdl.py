@@ -69,14 +69,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from blockdraft.kernels.triton_attention import (
     _paged_attention_kernel, _paged_attention_reduce_kernel)
+from blockdraft.kernels.triton_gated_deltanet_step import _gated_deltanet_decode_kernel
 from blockdraft.kernels.triton_linear import _skinny_matmul_kernel
 from blockdraft.kernels.triton_activation import _silu_mul_kernel
 from blockdraft.kernels.triton_rmsnorm import _rms_norm_kernel
 from blockdraft.kernels.triton_rope import _qk_norm_rope_kernel
 
-F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr")
+F32 = ("part_out_ptr", "part_max_ptr", "part_sum_ptr", "cos_ptr", "sin_ptr", "state_ptr")
 I32 = ("query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr", "counters_ptr")
-I64 = ("positions_ptr", "slot_mapping_ptr")  # the attention's rope inputs too
+I64 = ("positions_ptr", "slot_mapping_ptr", "slots_ptr")  # the attention's rope inputs too
 
 def signature(kernel, const, out_f32):
     sig = {}
@@ -85,9 +86,10 @@ def signature(kernel, const, out_f32):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ("*fp32" if name in F32 or (out_f32 and name == "out_ptr") else
-                         "*i32" if name in I32 else "*i64" if name in I64 else "*bf16")
+                         "*i32" if name in I32 else "*i64" if name in I64 else
+                         "*i1" if name == "fresh_ptr" else "*bf16")
         else:
-            sig[name] = "fp32" if name in ("eps", "qk_scale") else "i32"
+            sig[name] = "fp32" if name.endswith("eps") or name.endswith("scale") else "i32"
     return sig
 
 def count(kernel, const, out_f32=False, **options):
@@ -128,6 +130,8 @@ variants = {
                              STORE_KV=True), {}),
     "rms norm + residual": (_rms_norm_kernel, dict(BLOCK=4096, HAS_RESIDUAL=True), {}),
     "silu mul": (_silu_mul_kernel, dict(BLOCK=1024), {}),
+    "gated deltanet decode": (_gated_deltanet_decode_kernel,
+                              dict(K=4, KP=4, BK=128, BV=32, ROUND_PRODUCT=True), {}),
 }
 out = {}
 for name, (kernel, const, kw) in variants.items():

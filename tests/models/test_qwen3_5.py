@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.engine.kv_cache import allocate_kv_cache
+from blockdraft.kernels import triton_gated_deltanet_step
 from blockdraft.kernels.forward_context import (
     LinearStateMetadata,
     build_linear_metadata,
@@ -25,13 +26,14 @@ from blockdraft.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule_torch,
 )
+from blockdraft.kernels.policy import KernelPolicy
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
 from blockdraft.runtime.host_batch import build_attention_metadata
 
 from checkpoints import _qwen3_5_model, load_hf_target, make_qwen3_5_checkpoint
-from kernel_inputs import needs_triton
+from kernel_inputs import DEVICE, needs_triton
 
 CPU = torch.device("cpu")
 
@@ -293,3 +295,33 @@ def test_bad_configs_are_refused(hybrid_target: Path) -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             Qwen3_5LM(qwen3_5_config({**hf, **edit}))
+
+
+@needs_triton
+def test_fused_decode_kernel_keeps_greedy_output(hybrid_target: Path, rng, monkeypatch) -> None:
+    """With every kernel on the Triton path, decode steps take the Gated DeltaNet layers' fused
+    decode kernel and greedy output is that of the layers' step path (fused decode off); in
+    the interpreter (float32 throughout) also transformers' generate."""
+    calls = []
+    kernel = triton_gated_deltanet_step.triton_gated_deltanet_decode
+    monkeypatch.setattr(
+        triton_gated_deltanet_step,
+        "triton_gated_deltanet_decode",
+        lambda *a, **k: calls.append(1) or kernel(*a, **k),
+    )
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def generate(fuse: bool) -> list[list[int]]:
+        policy = KernelPolicy(backend="triton", fuse_gated_deltanet_decode=fuse)
+        llm = LLM(str(hybrid_target), kernel_policy=policy, device=str(DEVICE), dtype="float32",
+                  max_num_seqs=2, num_kv_blocks=16, block_size=4, max_model_len=32)  # fmt: skip
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = generate(True)
+    assert calls
+    calls.clear()
+    assert fused == generate(False)
+    assert not calls
+    if DEVICE.type == "cpu":
+        assert fused == hf_greedy(hybrid_target, prompts, 6)

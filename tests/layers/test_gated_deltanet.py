@@ -1,0 +1,79 @@
+"""`GatedDeltaNet` takes its one-launch decode kernel exactly for decode-only forwards on the
+Triton path (with `fuse_gated_deltanet_decode`), and its outputs and slot states then match its
+step path's; other forwards (prefill chunks, verify blocks, mixed batches) keep the step path.
+
+Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set by tests/conftest.py)."""
+
+import pytest
+import torch
+
+from blockdraft.kernels import triton_gated_deltanet_step
+from blockdraft.kernels.forward_context import build_linear_metadata, forward_context
+from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.runtime.host_batch import build_attention_metadata
+
+from kernel_inputs import DEVICE, assert_near, needs_triton
+
+pytestmark = needs_triton
+
+
+def tiny_layer(rng: torch.Generator, dtype: torch.dtype) -> GatedDeltaNet:
+    """Hk 2, Hv 6 (three value heads a key head), head dims 8 and 12, conv 4, 5 slots."""
+    layer = GatedDeltaNet(32, 2, 6, 8, 12, 4, 1e-6).requires_grad_(False)
+    for p in layer.parameters():
+        p.copy_(0.3 * torch.randn(p.shape, generator=rng))
+    layer.to(DEVICE, dtype).allocate_states(5, 4, dtype, DEVICE)
+    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=rng))
+    layer.recurrent_state.copy_(torch.randn(layer.recurrent_state.shape, generator=rng))
+    return layer
+
+
+def run(layer: GatedDeltaNet, x: torch.Tensor, slots: list[int], starts: list[int], lens: list[int],
+        verify: list[bool]) -> torch.Tensor:  # fmt: skip
+    tables = [[i] * 4 for i in range(len(slots))]
+    meta = build_attention_metadata(tables, starts, lens, 4, DEVICE)
+    meta.linear = build_linear_metadata(
+        torch.tensor(slots, device=DEVICE),
+        torch.tensor([s == 0 for s in starts], device=DEVICE),
+        lens,
+        verify,
+    )
+    with torch.inference_mode(), forward_context(meta):
+        return layer(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) -> None:
+    """Two decode steps of three sequences (one fresh, one padded on the spare slot): the fused
+    forward equals the step path's, states included; prefill and verify forwards never call
+    the kernel."""
+    calls = []
+    kernel = triton_gated_deltanet_step.triton_gated_deltanet_decode
+    monkeypatch.setattr(
+        triton_gated_deltanet_step,
+        "triton_gated_deltanet_decode",
+        lambda *a, **k: calls.append(1) or kernel(*a, **k),
+    )
+    fused, plain = tiny_layer(rng, dtype), tiny_layer(rng, dtype)
+    plain.load_state_dict(fused.state_dict())
+    for name in ("conv_state", "recurrent_state"):
+        getattr(plain, name).copy_(getattr(fused, name))
+    slots = [3, 0, -1]
+    for step in range(2):
+        x = torch.randn(3, 32, generator=rng).to(DEVICE, dtype)
+        starts = [7 + step, step, 5]
+        set_policy(backend="triton")
+        got = run(fused, x, slots, starts, [1, 1, 1], [False] * 3)
+        set_policy(backend="triton", fuse_gated_deltanet_decode=False)
+        want = run(plain, x, slots, starts, [1, 1, 1], [False] * 3)
+        assert_near(got[[0, 1]], want[[0, 1]], dtype, bf16_max=1.0, bf16_mean=0.015)
+        real = [3, 0]
+        assert torch.equal(fused.conv_state[real], plain.conv_state[real])
+        assert_near(fused.recurrent_state[real], plain.recurrent_state[real], dtype, 0.1, 0.002)
+    assert len(calls) == 2
+    set_policy(backend="triton")
+    x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
+    run(fused, x, [3, 0], [9, 0], [1, 5], [False, False])  # a decode row beside a prefill
+    run(fused, x[:4], [3, 0], [9, 2], [1, 3], [False, True])  # beside a verify block
+    run(fused, x[:3], [3], [9], [3], [True])  # a verify block alone
+    assert len(calls) == 2
