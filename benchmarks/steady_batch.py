@@ -1,12 +1,13 @@
 """Decode throughput at a steady batch: B requests that start together and all generate the
 same number of tokens (ignore_eos), so every step runs B requests. Plain decoding next to
-DFlash drafting at every batch size (`num_speculative_tokens_by_batch` None) and DFlash with no
-drafts from `--stop-batch` running requests on ({B: 0}, the CPU's default for B = 4: plain
-decode steps while the drafter keeps its context), the engines taking turns over `--repeats`
-passes (median tok/s).
+DFlash with the default draft length ("auto": N chosen each step), DFlash drafting at every
+batch size (`num_speculative_tokens_by_batch` None) and DFlash with no drafts from
+`--stop-batch` running requests on ({B: 0}: plain decode steps while the drafter keeps its
+context), the engines taking turns over `--repeats` passes (median tok/s).
 
     .venv/bin/python benchmarks/steady_batch.py [--batches 1 4 16] [--max-tokens 48]
-        [--stop-batch 4] [--repeats 2] [--model DIR|GGUF] [--draft default|DIR] [--json F]
+        [--stop-batch 4] [--repeats 2] [--model DIR|GGUF] [--draft default|DIR] [--threads N]
+        [--json F]
 
 No --model: the embedded SmolLM2-135M-Instruct (and --draft default, its drafter). Prompts are
 short open-chat questions ("Tell me about X."), greedy.
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default="default")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (unset: the default)")
     args = ap.parse_args(argv)
     if min(args.batches) < 1 or args.stop_batch < 2 or args.repeats < 1:
         raise SystemExit("batches and repeats must be >= 1, --stop-batch >= 2")
@@ -59,8 +61,10 @@ def main(argv: list[str] | None = None) -> dict:
     spec = {"method": "dflash", "model": args.draft}
     every = {**spec, "num_speculative_tokens_by_batch": None}
     stop = {**spec, "num_speculative_tokens_by_batch": {args.stop_batch: 0}}
+    model["num_threads"] = args.threads
     engines = {
         "AR": LLM(**model, speculative_config=None),
+        "DFlash auto (default)": LLM(**model, speculative_config=spec),
         "DFlash": LLM(**model, speculative_config=every),
         f"DFlash, none from {args.stop_batch}": LLM(**model, speculative_config=stop),
     }

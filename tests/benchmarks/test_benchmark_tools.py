@@ -74,9 +74,10 @@ def test_small_steps_times_and_splits_the_steps(tmp_path, capsys, temperature: s
     assert "step cost" in capsys.readouterr().out
 
 
-def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
-    """A tiny target and drafter: every batch gets a median rate for AR, DFlash and DFlash
-    without drafts from the stop batch, each pass counted, and the JSON says the same."""
+def test_steady_batch_compares_the_engines(tmp_path, capsys) -> None:
+    """A tiny target and drafter: every batch gets a median rate for AR, DFlash with the
+    default draft length, DFlash at every batch and DFlash without drafts from the stop batch,
+    each pass counted, and the JSON says the same."""
     import json
 
     from benchmarks import steady_batch
@@ -88,10 +89,11 @@ def test_steady_batch_compares_the_three_engines(tmp_path, capsys) -> None:
     out = steady_batch.main([
         "--batches", "1", "3", "--max-tokens", "6", "--stop-batch", "2", "--repeats", "2",
         "--model", str(target), "--draft", str(drafter), "--json", str(tmp_path / "out.json"),
+        "--threads", "1",
     ])  # fmt: skip
     assert [r["batch"] for r in out["results"]] == [1, 3]
     for r in out["results"]:
-        assert set(r["tok_s"]) == {"AR", "DFlash", "DFlash, none from 2"}
+        assert set(r["tok_s"]) == {"AR", "DFlash auto (default)", "DFlash", "DFlash, none from 2"}
         assert all(len(p) == 2 and min(p) > 0 for p in r["tok_s_by_pass"].values())
     assert json.loads((tmp_path / "out.json").read_text())["results"] == out["results"]
     assert "steady batch" in capsys.readouterr().out
