@@ -96,3 +96,33 @@ def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
     x = randn(rng, 3, 24)
     lm.compute_logits(x).sum().backward()  # autograd: F.linear
     assert calls == [] and lm.lm_head.weight.grad is not None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_against_a_large_cpu_weight_go_by_output_slices(bias: bool, rng) -> None:
+    """2-8 rows against a weight of >= CPU_SLICED_MIN_OUT outputs (an LM head) on the CPU: the
+    product of F.linear, computed slice by slice of the outputs (uneven last slice included);
+    one row, many rows and autograd take F.linear itself."""
+    out = linear_layer.CPU_SLICED_MIN_OUT + int(torch.randint(1, 999, (1,), generator=rng))
+    k = int(torch.randint(8, 40, (1,), generator=rng))
+    w = torch.randn(out, k, generator=rng)
+    b = torch.randn(out, generator=rng) if bias else None
+    calls = []
+    real = F.linear
+
+    def counting(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)
+
+    for rows, sliced in ((1, False), (3, True), (linear_layer.CPU_SLICED_MAX_ROWS, True),
+                         (linear_layer.CPU_SLICED_MAX_ROWS + 1, False)):  # fmt: skip
+        x = torch.randn(rows, k, generator=rng)
+        calls.clear()
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(linear_layer.F, "linear", counting)
+            got = linear(x, w, b)
+        torch.testing.assert_close(got, F.linear(x, w, b))
+        assert len(calls) == (-(-out // linear_layer.CPU_SLICE_OUT) if sliced else 1), rows
+    w.requires_grad_(True)
+    linear(torch.randn(3, k, generator=rng), w, b).sum().backward()
+    assert w.grad is not None
