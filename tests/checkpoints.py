@@ -197,6 +197,16 @@ def _save_target(
     return out_dir
 
 
+def _save_stacked_experts(model: PreTrainedModel, out_dir: Path, tied: bool) -> None:
+    """Rewrites the checkpoint from the model's own state dict: its experts as the stacked
+    `experts.gate_up_proj` / `down_proj` tensors the module holds, not save_pretrained's
+    per-expert conversion (a tied LM head left out, as save_pretrained does)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight")
+    save_file(state, out_dir / "model.safetensors", {"format": "pt"})
+
+
 def _common_config(
     *,
     vocab_size: int,
@@ -456,10 +466,7 @@ def make_qwen3_moe_checkpoint(
         model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="legacy"
     )
     if stacked_experts:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if tie_word_embeddings:
-            state.pop("lm_head.weight")
-        save_file(state, out_dir / "model.safetensors", {"format": "pt"})
+        _save_stacked_experts(model, out_dir, tie_word_embeddings)
     if shard:
         _shard_in_two(out_dir)
     return out_dir
@@ -643,10 +650,7 @@ def make_hybrid_moe_checkpoint(
         model, out_dir, vocab_size=vocab_size, shard=False, rope_config_style="rope_parameters"
     )
     if stacked_experts:
-        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-        if tie_word_embeddings:
-            state.pop("lm_head.weight")
-        save_file(state, out_dir / "model.safetensors", {"format": "pt"})
+        _save_stacked_experts(model, out_dir, tie_word_embeddings)
     return out_dir
 
 
