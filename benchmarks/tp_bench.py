@@ -95,8 +95,8 @@ def all_reduce_ms(size: int, hidden: int, layers: int, rows: list[int]) -> dict[
 
 
 def free(llm: LLM) -> None:
+    """The engine's device memory back (shutdown frees it; the caller's name stays bound)."""
     llm.shutdown()
-    del llm
     gc.collect()
     torch.cuda.empty_cache()
 
