@@ -142,12 +142,17 @@ def test_bonus_tokens_follow_the_target_after_partial_acceptance(random_pair, rn
     for prompt, out in zip(prompts, outs, strict=True):
         tokens, lengths = out.outputs[0].token_ids, out.spec_accept_lengths
         with torch.no_grad():
-            greedy = hf(torch.tensor([prompt + tokens])).logits[0].argmax(-1).tolist()
+            logits = hf(torch.tensor([prompt + tokens])).logits[0]
         bonus = [0]  # the prefill's token, then the last token of every complete step
         for length in lengths[:-1]:  # the last step may stop inside its accepted drafts
             bonus.append(bonus[-1] + length)
         for i in bonus:
-            assert tokens[i] == greedy[len(prompt) + i - 1], (i, lengths)
+            row = logits[len(prompt) + i - 1]
+            # The target's choice, up to a tie within float32 noise (the engine's chunked and
+            # recurrent rules round differently from transformers'): a state that ends at the
+            # wrong row picks from different logits altogether.
+            gap = (row.max() - row[tokens[i]]).item()
+            assert gap <= 1e-5 * row.abs().max().item(), (i, lengths, gap)
         partial += sum(1 < k < n + 1 for k in lengths[:-1])
     assert partial >= 3
 
