@@ -46,7 +46,7 @@ def generate(target: Path, drafter: Path | None, prompts: list[list[int]], **kw)
         SamplingParams(temperature=0.8, top_p=0.9, top_k=30, seed=12, max_tokens=24),
     ]
     with LLM(str(target), speculative_config=spec, device="cuda", dtype="float32",
-             max_num_batched_tokens=16, **kw) as llm:  # fmt: skip
+             max_num_batched_tokens=16, block_size=4, **kw) as llm:  # fmt: skip
         outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -63,7 +63,14 @@ def main() -> None:
     moe = make_qwen3_moe_checkpoint(root / "moe", vocab_size=VOCAB, num_layers=2)
     drafters = {
         "qwen3": make_dflash_drafter(root / "d_qwen3", qwen3, target_layer_ids=[0, 1]),
-        "hybrid": make_dflash_drafter(root / "d_hybrid", hybrid, target_layer_ids=[0, 3]),
+        # Sliding layers: their own pages (engine/window_pages.py), freed behind the window.
+        "hybrid": make_dflash_drafter(
+            root / "d_hybrid",
+            hybrid,
+            target_layer_ids=[0, 3],
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
     }
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (3, 9, 21)]

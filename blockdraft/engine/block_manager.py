@@ -1,7 +1,8 @@
 """Paged KV-cache blocks: allocation, reference counts and prefix caching.
 
 Hybrid models also give each request holding blocks one state slot (its linear-attention
-layers' conv and recurrent states), taken with its first blocks and freed with them.
+layers' conv and recurrent states), taken with its first blocks and freed with them. A drafter
+with sliding-window layers gives its blocks pages of its window pool (window_pages.py).
 
 A full block whose tokens are all computed is registered under a hash of (previous block's
 hash, its token ids); a new request whose prompt starts with the same tokens shares the block
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from blockdraft.engine.sequence import Sequence
+from blockdraft.engine.window_pages import DrafterWindowPages
 
 
 class BlockManager:
@@ -23,8 +25,12 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool,
         num_state_slots: int = 0,  # hybrid models: requests that can hold a state slot
+        window_pages: DrafterWindowPages | None = None,
     ) -> None:
+        if window_pages is not None and enable_prefix_caching:
+            raise ValueError("the drafter's window pages cannot follow prefix-cached blocks")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.window_pages = window_pages
         self.uses_state_slots = num_state_slots > 0
         self.free_state_slots = list(range(num_state_slots))
         self.enable_prefix_caching = enable_prefix_caching
@@ -93,6 +99,8 @@ class BlockManager:
                 del self.cached[key]  # evict: its contents are about to be overwritten
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
+        if self.window_pages is not None:
+            self.window_pages.update(seq)
         return True
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -112,6 +120,8 @@ class BlockManager:
         seq.num_hashed_blocks, seq.last_block_hash = num_full, hash(keys[-1])
 
     def free(self, seq: Sequence) -> None:
+        if self.window_pages is not None:
+            self.window_pages.free(seq)
         # Release the tail first so that, among a sequence's blocks, its prefix is evicted last.
         for block_id in reversed(seq.block_table):
             self.ref_counts[block_id] -= 1

@@ -1,6 +1,8 @@
 """The paged KV pool: how many blocks it gets, and its allocation in every attention layer
 (the target's and the drafter's, which share the block tables). Hybrid models' per-request
-state slots come out of the same memory budget first (`state_bytes`)."""
+state slots come out of the same memory budget first (`state_bytes`). A drafter's
+sliding-window layers get a pool of their own, of at most a window's pages per running
+request (window_pages.py), unless prefix caching shares blocks."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from blockdraft.config import EngineConfig
 from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.model_loader import LoadedModels
+from blockdraft.engine.window_pages import DrafterWindowPages, window_pages_per_seq
 from blockdraft.layers.attention import PagedAttention
 
 logger = logging.getLogger(__name__)
@@ -27,31 +30,55 @@ def allocate_kv_pool(
     """Sizes the pool, allocates it in the target's and the drafter's attention layers (and a
     hybrid target's state slots) and returns the block manager over it."""
     model, max_model_len, lookahead = loaded.model, loaded.max_model_len, loaded.lookahead
-    layers = list(model.attention_layers)
-    if loaded.drafter is not None:
-        layers += loaded.drafter.attention_layers
+    bs = config.block_size
     # Hybrid models: a state slot per running request, plus a spare that rows of requests
     # without one (warm-up) use.
     hybrid = hasattr(model, "allocate_states")
-    num_slots = config.max_num_seqs + 1 if hybrid else 0
-    state_bytes = num_slots and num_slots * model.state_bytes(config.torch_dtype, lookahead)
-    num_blocks = num_kv_blocks(config, layers, device, max_model_len, lookahead, state_bytes)
-    if tp is not None:  # one block table for every rank's pool
-        num_blocks = tp.min_over_ranks(num_blocks, device)
-    allocate_kv_cache(layers, num_blocks, config.block_size, config.torch_dtype, device)
-    if hybrid:
-        model.allocate_states(num_slots, lookahead, config.torch_dtype, device)
     prefix_caching = config.enable_prefix_caching and not hybrid
     if hybrid and config.enable_prefix_caching:
         logger.info(
             "prefix caching is off: the model's linear-attention layers keep one recurrent "
             "state per request, not one per cached block"
         )
+    drafter_layers = loaded.drafter.attention_layers if loaded.drafter is not None else []
+    window_layers = [a for a in drafter_layers if a.window is not None]
+    window = max((a.window for a in window_layers), default=0)
+    pages_per_seq = window_pages_per_seq(window, lookahead, bs)
+    if pages_per_seq >= max_blocks_per_seq(max_model_len, lookahead, bs):
+        window_layers = []  # the window spans whole requests: nothing to free
+    elif window_layers and prefix_caching:
+        logger.info(
+            "the drafter's sliding-window layers keep every block of a request: prefix "
+            "caching shares blocks between requests (enable_prefix_caching=False bounds them "
+            "to their window of %d tokens)",
+            window,
+        )
+        window_layers = []
+    shared = list(model.attention_layers) + [a for a in drafter_layers if a not in window_layers]
+    window_pool = (window_layers, config.max_num_seqs * pages_per_seq if window_layers else 0)
+    num_slots = config.max_num_seqs + 1 if hybrid else 0
+    state_bytes = num_slots and num_slots * model.state_bytes(config.torch_dtype, lookahead)
+    num_blocks = num_kv_blocks(
+        config, shared, device, max_model_len, lookahead, state_bytes, window_pool
+    )
+    if tp is not None:  # one block table for every rank's pool
+        num_blocks = tp.min_over_ranks(num_blocks, device)
+    allocate_kv_cache(shared, num_blocks, bs, config.torch_dtype, device)
+    window_pages = None
+    if window_layers:
+        num_pages = min(num_blocks, window_pool[1])
+        allocate_kv_cache(window_layers, num_pages, bs, config.torch_dtype, device)
+        window_pages = DrafterWindowPages(num_blocks, num_pages, window, bs, device)
+        for attn in window_layers:
+            attn.page_map = window_pages.page_map
+    if hybrid:
+        model.allocate_states(num_slots, lookahead, config.torch_dtype, device)
     return BlockManager(
         num_blocks,
-        config.block_size,
+        bs,
         prefix_caching,
         num_state_slots=config.max_num_seqs if hybrid else 0,
+        window_pages=window_pages,
     )
 
 
@@ -88,6 +115,8 @@ def num_kv_blocks(
     max_model_len: int,
     lookahead: int,
     state_bytes: int = 0,  # the linear-attention state slots' bytes, taken from the budget
+    window_pool: tuple[list[PagedAttention], int] = ([], 0),  # layers with a pool of their
+    # own, and its most pages: one per block up to that (window_pages.py)
 ) -> int:
     """The pool's blocks: config.num_kv_blocks, else what the memory budget holds after
     `state_bytes`, at most what max_num_seqs requests of max_model_len need; at least one such
@@ -95,9 +124,15 @@ def num_kv_blocks(
     cfg = config
     per_seq = max_blocks_per_seq(max_model_len, lookahead, cfg.block_size)
     per_block = kv_bytes_per_block(layers, cfg.block_size, cfg.torch_dtype)
+    per_page = kv_bytes_per_block(window_pool[0], cfg.block_size, cfg.torch_dtype)
+    max_pages = window_pool[1]
+
+    def pool_bytes(num_blocks: int) -> int:
+        return num_blocks * per_block + min(num_blocks, max_pages) * per_page
+
     if cfg.num_kv_blocks is not None:
         num_blocks = cfg.num_kv_blocks
-        room = f"num_kv_blocks {num_blocks} holds {_gib(num_blocks * per_block)}"
+        room = f"num_kv_blocks {num_blocks} holds {_gib(pool_bytes(num_blocks))}"
         fix = f"raise num_kv_blocks to at least {per_seq} or lower max_model_len"
     else:
         if device.type == "cuda":
@@ -119,10 +154,13 @@ def num_kv_blocks(
             fix = "raise kv_cache_memory_gib or lower max_model_len"
         if state_bytes:
             room += f" and the linear-attention states take {_gib(state_bytes)} of it"
-        num_blocks = min(int(budget // per_block), per_seq * cfg.max_num_seqs)
+        num_blocks = int(budget // (per_block + per_page))
+        if num_blocks > max_pages:  # past the window pool's size, a block costs less
+            num_blocks = max_pages + int((budget - pool_bytes(max_pages)) // per_block)
+        num_blocks = min(num_blocks, per_seq * cfg.max_num_seqs)
     if num_blocks < per_seq:
         raise ValueError(
-            f"the KV cache needs {_gib(per_seq * per_block)} for one request of "
+            f"the KV cache needs {_gib(pool_bytes(per_seq))} for one request of "
             f"max_model_len {max_model_len}, but {room}: {fix}"
         )
     return num_blocks

@@ -167,8 +167,10 @@ class LLMEngine:
             # readback will finish included: any N is lossless, verify takes a prefix).
             running = self.scheduler.running
             num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
+        window_updates = self._take_window_updates()
         if self.workers is not None:
-            self.workers.send_step(chunks, num_drafts, self.requests)
+            self.workers.send_step(chunks, num_drafts, self.requests, window_updates)
+        self.apply_window_updates(window_updates)
         launched, drafts = self.launch_step(chunks, num_drafts)
         if self.draft_launcher is None:
             return self._process_step(chunks, self.runner.finish(launched), None)
@@ -177,6 +179,16 @@ class LLMEngine:
         outputs = self._process_step(chunks, result, drafts)
         self.draft_length.record_if_uniform(chunks, num_drafts, time.perf_counter() - t0)
         return outputs
+
+    def _take_window_updates(self) -> tuple[list[int], list[int]] | None:
+        pages = self.block_manager.window_pages
+        return None if pages is None else pages.take_updates()
+
+    def apply_window_updates(self, updates: tuple[list[int], list[int]] | None) -> None:
+        """The drafter's window pages the scheduler gave or took back for this step (see
+        window_pages.py), into the device map its layers read."""
+        if updates is not None:
+            self.block_manager.window_pages.apply(*updates)
 
     def launch_step(
         self, chunks: list[ScheduledChunk], num_drafts: int

@@ -44,6 +44,8 @@ class Sequence:
         self.block_table: list[int] = []
         # Its linear-attention state slot (hybrid models) while it holds blocks; None otherwise.
         self.state_slot: int | None = None
+        # Its blocks [start, end) that hold pages of the drafter's window pool (window_pages.py).
+        self.window_span = (0, 0)
         self.num_hashed_blocks = 0  # leading blocks registered in the prefix cache
         self.last_block_hash: int | None = None  # of the last one's key: the next one's parent
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache

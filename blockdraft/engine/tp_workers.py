@@ -81,6 +81,7 @@ class StepPlan:
     new: list[tuple[str, SamplingParams, int]]  # (id, parameters, seed) of requests new to them
     chunks: list[ChunkPlan]
     num_drafts: int  # N the step proposes (speculative engines)
+    window_updates: tuple[list[int], list[int]] | None  # drafter window pages (blocks, pages)
 
 
 @dataclass(eq=False)  # hashed by identity, as the Sequences it stands for (sampling cache keys)
@@ -187,6 +188,7 @@ class TensorParallelWorkers:
         chunks: list[ScheduledChunk],
         num_drafts: int,  # N proposed this step
         requests: dict[str, Sequence],  # the engine's live requests
+        window_updates: tuple[list[int], list[int]] | None = None,
     ) -> None:
         """Sends the step's plan to every worker (one broadcast)."""
         self.raise_if_dead()
@@ -216,6 +218,7 @@ class TensorParallelWorkers:
                 for c in chunks
             ],
             num_drafts,
+            window_updates,
         )
         dist.broadcast_object_list([plan], src=0, group=self._state.control)
 
@@ -377,6 +380,7 @@ class WorkerLoop:
             mirror.state_slot = c.state_slot
             chunks.append(ScheduledChunk(mirror, c.start, c.token_ids, c.num_drafts))
         with torch.inference_mode(), use_kernel_policy(self.engine.kernel_policy):
+            self.engine.apply_window_updates(plan.window_updates)
             drafts = self.engine.launch_step(chunks, plan.num_drafts)[1]
         mirror_drafts(chunks, drafts)
 

@@ -105,6 +105,7 @@ class SelfAttention(nn.Module):
         the RoPE kernel under KernelPolicy.fuse_kv_store_into_rope, else by store_kv."""
         k, v = self._kv_heads(x)
         cache = self.attn.key_cache, self.attn.value_cache
+        slot_mapping = self.attn.cache_slots(slot_mapping, cache[0].shape[1])
         if self.fuses_kv_store(k, v):
             self.rotary.forward_store(positions, None, k, v, *cache, slot_mapping, *self._norms())
         else:

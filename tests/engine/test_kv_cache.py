@@ -49,6 +49,23 @@ def test_the_budget_sets_the_blocks_up_to_what_max_num_seqs_requests_use(rng) ->
     assert num_kv_blocks(fixed, attn, CPU, 64, 8) == 7
 
 
+def test_window_pages_cost_a_block_only_up_to_the_window_pools_size(rng) -> None:
+    """The drafter's sliding layers (a pool of at most `max_pages` pages) cost a block their
+    bytes only up to that many blocks; past it a block costs the shared layers' alone."""
+    shared, window = layers(rng, 2), layers(rng, 3)
+    per_block = kv_bytes_per_block(shared, 16, torch.float32)
+    per_page = kv_bytes_per_block(window, 16, torch.float32)
+    budget = 100 * (per_block + per_page)
+    cfg = config(block_size=16, max_num_seqs=512, kv_cache_memory_gib=budget / 2**30)
+    assert num_kv_blocks(cfg, shared + window, CPU, 64, 8) == 100
+    assert num_kv_blocks(cfg, shared, CPU, 64, 8, window_pool=(window, 500)) == 100
+    more = num_kv_blocks(cfg, shared, CPU, 64, 8, window_pool=(window, 40))
+    assert more == 40 + (budget - 40 * (per_block + per_page)) // per_block > 100
+    with pytest.raises(ValueError, match="needs"):
+        num_kv_blocks(config(block_size=16, num_kv_blocks=3), shared, CPU, 64, 8,
+                      window_pool=(window, 1))  # fmt: skip
+
+
 def test_linear_attention_states_come_out_of_the_budget_first(rng) -> None:
     """A hybrid model's state slots take their bytes from the budget before the blocks do; a
     budget they leave too small for one request says so."""

@@ -473,7 +473,14 @@ def hybrid_models(tmp_path_factory) -> dict[str, Path]:
     return {
         "hybrid": hybrid,
         "multimodal": _as_multimodal(hybrid, root / "multimodal"),
-        "drafter": make_dflash_drafter(root / "drafter", hybrid, target_layer_ids=[0, 2]),
+        # A sliding layer: its pages (window_pages.py) follow the driver's updates on every rank.
+        "drafter": make_dflash_drafter(
+            root / "drafter",
+            hybrid,
+            target_layer_ids=[0, 2],
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
     }
 
 
