@@ -102,10 +102,12 @@ def write_dummy_drafter(
     block_size: int = 16,
     with_weights: bool = True,
     dflash2: dict | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """A DFlash drafter shaped for `target_hf` with random weights (or only its config.json, for
     load_format="dummy", where the engine makes the weights on the device). `dflash2`: a DFlash2
-    drafter instead, with these conv/selector fields (DFLASH2_FIELDS, the published ones)."""
+    drafter instead, with these conv/selector fields (DFLASH2_FIELDS, the published ones).
+    `sliding_window`: every layer but the last windowed, as z-lab's drafters for hybrid targets."""
     out_dir.mkdir(parents=True, exist_ok=True)
     heads = target_hf["num_attention_heads"]
     n_target = target_hf["num_hidden_layers"]
@@ -131,6 +133,9 @@ def write_dummy_drafter(
         "block_size": block_size,
         "dflash_config": {"mask_token_id": 0, "target_layer_ids": ids},
     }
+    if sliding_window is not None:
+        cfg["use_sliding_window"], cfg["sliding_window"] = True, sliding_window
+        cfg["layer_types"] = ["sliding_attention"] * (num_layers - 1) + ["full_attention"]
     if dflash2 is not None:
         cfg["architectures"] = ["DFlash2DraftModel"]
         cfg["dflash_config"].update(dflash2)

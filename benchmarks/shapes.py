@@ -91,6 +91,7 @@ class BenchShape:
     config: dict  # the target's config.json
     bytes_per_token: Callable[[dict], int]  # weight bytes a batch-1 decode step reads
     drafter_layers: int = 5
+    drafter_window: int | None = None  # sliding layers' window (all but the last); None: full
 
     def dirs(self) -> tuple[Path, Path]:
         """A temporary target directory (config only: `load_format="dummy"`) and a DFlash
@@ -100,8 +101,9 @@ class BenchShape:
         target.mkdir()
         (target / "config.json").write_text(json.dumps(self.config))
         drafter = write_dummy_drafter(
-            tmp / "drafter", self.config, num_layers=self.drafter_layers, with_weights=False
-        )
+            tmp / "drafter", self.config, num_layers=self.drafter_layers, with_weights=False,
+            sliding_window=self.drafter_window,
+        )  # fmt: skip
         return target, drafter
 
 
@@ -234,8 +236,15 @@ SHAPES: dict[str, BenchShape] = {
         # z-lab/Qwen3-Coder-30B-A3B-DFlash: an 8-layer drafter (~0.5B parameters besides the
         # target's embedding and head).
         BenchShape("qwen3-30b-a3b", QWEN3_CODER_30B_A3B, moe_bytes_per_token, drafter_layers=8),
-        BenchShape("qwen3.5-27b", QWEN3_5_27B, dense_bytes_per_token),
+        # z-lab's drafters for hybrid targets window their layers but the last (2048 or 4096).
+        BenchShape("qwen3.5-27b", QWEN3_5_27B, dense_bytes_per_token, drafter_window=2048),
         # z-lab/Qwen3.5-35B-A3B-DFlash weighs ~0.9 GB in bf16: about 8 layers at this width.
-        BenchShape("qwen3.5-35b-a3b", QWEN3_5_35B_A3B, moe_bytes_per_token, drafter_layers=8),
+        BenchShape(
+            "qwen3.5-35b-a3b",
+            QWEN3_5_35B_A3B,
+            moe_bytes_per_token,
+            drafter_layers=8,
+            drafter_window=2048,
+        ),  # fmt: skip
     )
 }
