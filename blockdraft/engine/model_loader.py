@@ -34,6 +34,7 @@ from blockdraft.models.loader import (
     param_shards,
     read_checkpoint,
     read_json,
+    without_random_init,
 )
 from blockdraft.models.registry import resolve_architecture, resolve_drafter
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
@@ -200,11 +201,11 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
     target_cfg = dataclasses.replace(target_cfg, max_position_embeddings=max_positions)
 
     dtype = config.torch_dtype
-    with torch.device("meta"):
-        need = weight_bytes(architecture.model_class(target_cfg).to(dtype))
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    check_weights_fit(need, free, device)
-    with torch.device(device), default_dtype(dtype):
+    if device.type == "cuda":  # the CPU has no free-memory figure to check against
+        with torch.device("meta"), without_random_init():
+            need = weight_bytes(architecture.model_class(target_cfg).to(dtype))
+        check_weights_fit(need, torch.cuda.mem_get_info(device)[0], device)
+    with torch.device(device), default_dtype(dtype), without_random_init():
         model = architecture.model_class(target_cfg).to(dtype)
     if config.load_format == "dummy":
         init_dummy_weights(model)

@@ -296,13 +296,14 @@ def load_drafter(
         load_weights,
         param_shards,
         shard_tensors,
+        without_random_init,
     )
 
     ckpt = read_drafter_checkpoint(path)
     if cfg is None:
         cfg = drafter_class.config_class.from_hf(ckpt.hf_config)
     cfg.check_fits(target.cfg)
-    with torch.device(device):
+    with torch.device(device), without_random_init():
         drafter = drafter_class(cfg, target, max_positions).to(dtype)
     # The target's, unless the checkpoint ships its own (a reduced vocabulary always does).
     shared = ("embed_tokens.", "lm_head.") if cfg.draft_vocab_size is None else ("embed_tokens.",)

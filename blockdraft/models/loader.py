@@ -6,7 +6,9 @@ wrong shape) becomes a ValueError naming the file and the problem.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,6 +245,29 @@ def _loaded_part(param: nn.Parameter) -> torch.Tensor:
     if shard is None:
         return param
     return param.narrow(shard.dim, 0, shard.length)
+
+
+# torch.nn.init's random initialisers, which module constructors call.
+_RANDOM_INITS = (
+    "uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+    "xavier_uniform_", "xavier_normal_", "orthogonal_",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def without_random_init() -> Iterator[None]:
+    """Modules built inside keep their parameters as allocated: every one is then loaded (or
+    made by `init_dummy_weights`). The random init that a load overwrites took half of
+    `blockdraft generate`'s start-up on one CPU thread (on the meta device it also imports
+    torch._dynamo)."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in _RANDOM_INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def init_dummy_weights(module: nn.Module, std: float = 0.02) -> None:

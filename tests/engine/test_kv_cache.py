@@ -13,6 +13,7 @@ from blockdraft.engine.kv_cache import (
     kv_bytes_per_block,
     max_blocks_per_seq,
     num_kv_blocks,
+    zeroed,
 )
 
 CPU = torch.device("cpu")
@@ -91,3 +92,12 @@ def test_every_layer_gets_the_pool_and_a_pad_block(rng) -> None:
         assert a.key_cache.shape == a.value_cache.shape == shape
         assert a.key_cache.eq(0).all() and a.value_cache.eq(0).all()
         assert a.split_counters.dtype == torch.int32 and a.split_counters.eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_pools_are_zeros_of_their_own(dtype: torch.dtype) -> None:
+    """The CPU pool comes from calloc'd pages: zeros in any dtype, writable, not shared."""
+    a, b = zeroed((3, 4, 2, 8), dtype, CPU), zeroed((3, 4, 2, 8), dtype, CPU)
+    assert a.dtype == dtype and a.shape == (3, 4, 2, 8) and not a.any()
+    a[1, 2] = 1.5
+    assert a.sum().item() == 1.5 * 16 and not b.any()

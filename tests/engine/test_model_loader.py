@@ -90,3 +90,21 @@ def test_parameters_are_made_in_the_engine_dtype(tmp_path: Path, monkeypatch) ->
     assert made and set(made) == {torch.bfloat16}
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_modules_built_without_random_init_keep_their_memory_as_allocated() -> None:
+    """Inside, torch's random initialisers leave tensors as they are (a load fills them);
+    after, even when the build fails, they draw again."""
+    from torch import nn
+
+    from blockdraft.models.loader import without_random_init
+
+    weight = torch.full((4, 4), 7.0)
+    with without_random_init():
+        nn.init.normal_(weight)
+        nn.init.kaiming_uniform_(weight)
+        assert (weight == 7.0).all()
+    with pytest.raises(RuntimeError), without_random_init():
+        raise RuntimeError("a failing build")
+    nn.init.normal_(weight)
+    assert (weight != 7.0).any()
