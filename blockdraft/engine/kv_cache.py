@@ -71,6 +71,11 @@ def allocate_kv_pool(
         num_pages = min(num_blocks, window_pool[1])
         allocate_kv_cache(window_layers, num_pages, bs, config.torch_dtype, device)
         window_pages = DrafterWindowPages(num_blocks, num_pages, window, bs, device)
+        logger.info(
+            "the drafter's %d sliding-window layers keep %d pages of %d tokens (at most %d a "
+            "request: its window of %d tokens), not the pool's %d blocks",
+            len(window_layers), num_pages, bs, pages_per_seq, window, num_blocks,
+        )  # fmt: skip
         for attn in window_layers:
             attn.page_map = window_pages.page_map
     if hybrid:
