@@ -5,7 +5,8 @@ and CUDA graphs.
     python -m benchmarks.gpu_checks [--tp 2]
 
 - CUDA graphs: a Qwen3.5 (Gated DeltaNet + gated attention) target with and without its
-  DFlash drafter, and a dense Qwen3 with its drafter, give the same tokens with graphs as eager;
+  DFlash drafter (sliding-window layers: their own pages), a Qwen3.5-MoE with one, and a dense
+  Qwen3 with its drafter, give the same tokens with graphs as eager;
 - tensor parallel (when --tp > 1 GPUs are visible): dense Qwen3 (with and without DFlash),
   Qwen3-MoE and Qwen3.5 give at TP N the tokens of one GPU, greedy and seeded-sampled.
 Prints one line per check and exits 1 when one differs.
@@ -26,6 +27,7 @@ from blockdraft import LLM, SamplingParams  # noqa: E402
 
 from checkpoints import (  # noqa: E402
     make_dflash_drafter,
+    make_hybrid_moe_checkpoint,
     make_qwen3_5_checkpoint,
     make_qwen3_checkpoint,
     make_qwen3_moe_checkpoint,
@@ -61,6 +63,9 @@ def main() -> None:
         root / "hybrid", vocab_size=VOCAB, num_layers=4, linear_heads=(4, 8), seed=7
     )
     moe = make_qwen3_moe_checkpoint(root / "moe", vocab_size=VOCAB, num_layers=2)
+    hybrid_moe = make_hybrid_moe_checkpoint(
+        root / "hybrid_moe", "qwen3_5_moe", vocab_size=VOCAB, num_layers=4, linear_heads=(2, 4)
+    )
     drafters = {
         "qwen3": make_dflash_drafter(root / "d_qwen3", qwen3, target_layer_ids=[0, 1]),
         # Sliding layers: their own pages (engine/window_pages.py), freed behind the window.
@@ -70,6 +75,9 @@ def main() -> None:
             target_layer_ids=[0, 3],
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention"],
+        ),
+        "hybrid_moe": make_dflash_drafter(
+            root / "d_hybrid_moe", hybrid_moe, target_layer_ids=[0, 3]
         ),
     }
     gen = torch.Generator().manual_seed(0)
@@ -87,6 +95,7 @@ def main() -> None:
     graph_cases = [
         ("hybrid", hybrid, None),
         ("hybrid + DFlash", hybrid, drafters["hybrid"]),
+        ("hybrid MoE + DFlash", hybrid_moe, drafters["hybrid_moe"]),
         ("qwen3 + DFlash", qwen3, drafters["qwen3"]),
     ]
     for name, target, drafter in graph_cases:
