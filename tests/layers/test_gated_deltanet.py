@@ -110,7 +110,8 @@ def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch
     assert calls == ["triton_gated_deltanet_verify", "triton_gated_deltanet_commit"]
     assert_near(got, want, dtype, bf16_max=1.0, bf16_mean=0.015)
     assert torch.equal(fused.stash_qkv[3], plain.stash_qkv[3])
-    assert_near(fused.stash_mixed[3], plain.stash_mixed[3], dtype, 0.07, 0.002)
+    ulps = 2**-22 if dtype == torch.float32 else 2**-6  # conv outputs: rounded twice
+    torch.testing.assert_close(fused.stash_mixed[3], plain.stash_mixed[3], atol=ulps, rtol=ulps)
     assert torch.equal(fused.conv_state[3], plain.conv_state[3])
     assert_near(fused.recurrent_state[3], plain.recurrent_state[3], dtype, 0.1, 0.002)
     set_policy(backend="triton", fuse_gated_deltanet_verify=True)
