@@ -92,7 +92,9 @@ def gated_deltanet_commit_torch(
     recurrence: Callable[..., torch.Tensor] = recurrent_gated_delta_rule_pool_torch,
 ) -> None:
     """Advances each slot's states over the first `lengths` rows of its stash, as decoding
-    them would have: the recurrent state by the recurrence, the conv state shifted."""
+    them would have: the recurrent state by the recurrence, the conv state shifted. Both
+    continue from what the slot holds, the states the verify started from (a verify block
+    never starts a request, so the slot is not fresh)."""
     num_v_heads, k_head_dim = state_pool.shape[1:3]
     lengths = lengths.clamp(max=stash_qkv.shape[1])
     write = torch.ones_like(slots, dtype=torch.bool)

@@ -10,8 +10,10 @@ state, then the block's inputs, read through the step's row indices), g and beta
 norms, advances the state and stores the un-normed output, and keeps the row's conv inputs,
 conv outputs, g and beta in the slot's stash. The programs of the value heads sharing a key
 head each form its q and k (a few hundred multiply-adds a row, against a round trip between
-programs); the first of them (value block 0) stashes them. The slot's states are only read.
-The gated RMSNorm needs a head's whole output row: the head's last program to finish (an
+programs); value block 0 of the key head's first value head stashes them. The slot's states
+are only read. Splitting a head's value dims over programs keeps a batch of one busy (Qwen3.5
+27B: 4 x 48 programs), each with one serial pass over the rows instead of one a block; the
+gated RMSNorm then needs the head's whole output row: the head's last program to finish (an
 atomic counter per (sequence, value head), reset by it) normalises all its rows.
 
 Commit: one program per (sequence, value head, block of value dims) advances its state slice
