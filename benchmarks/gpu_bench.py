@@ -215,6 +215,12 @@ ABLATION = [
     ),
     ("AR", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), "async"),
     ("DFlash", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), ""),
+    (
+        "DFlash",
+        "Gated DeltaNet verify and commit one kernel each (hybrid targets)",
+        dict(fuse_gated_deltanet_verify=True),
+        "",
+    ),
 ]
 
 
@@ -450,6 +456,13 @@ def main() -> None:
         "(KernelPolicy.fuse_gated_deltanet_decode)",
     )
     p.add_argument(
+        "--fuse-gdn-verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hybrid targets: a Gated DeltaNet layer's verify forward in one kernel and its "
+        "state commit in one more (KernelPolicy.fuse_gated_deltanet_verify)",
+    )
+    p.add_argument(
         "--async-decode",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -476,6 +489,7 @@ def main() -> None:
         "silu_mul_prologue_max_rows": args.silu_mul_prologue_rows,
         "pdl_max_query_len": args.pdl_max_query_len,
         "fuse_gated_deltanet_decode": args.fuse_gdn_decode,
+        "fuse_gated_deltanet_verify": args.fuse_gdn_verify,
     }  # None: the default policy's
     policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}

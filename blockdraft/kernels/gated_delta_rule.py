@@ -55,6 +55,35 @@ def causal_conv1d_torch(
     return lanewise(F.silu, out.to(window.dtype))
 
 
+def split_heads(
+    mixed: torch.Tensor,  # [S, T, conv_dim] conv outputs: q | k | v channels
+    num_k_heads: int,
+    k_head_dim: int,
+    num_v_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k [S, T, Hk, Dk], v [S, T, Hv, Dv]
+    s, t = mixed.shape[:2]
+    key_dim = num_k_heads * k_head_dim
+    q, k, v = mixed.split((key_dim, key_dim, mixed.shape[-1] - 2 * key_dim), dim=-1)
+    heads = (s, t, num_k_heads, k_head_dim)
+    return q.reshape(heads), k.reshape(heads), v.reshape(s, t, num_v_heads, -1)
+
+
+def store_conv_state_torch(
+    conv_pool: torch.Tensor,  # [num_slots, K - 1, conv_dim] per-request conv states
+    window: torch.Tensor,  # [S, K - 1 + T, conv_dim] each slot's conv state, then T inputs
+    conv_old: torch.Tensor,  # [S, K - 1, conv_dim] the slots' conv states
+    slots: torch.Tensor,  # [S] int64
+    lengths: torch.Tensor,  # [S] int64 inputs each sequence took
+    write: torch.Tensor,  # [S] bool
+) -> None:
+    """The conv state after each sequence's rows (the last K - 1 inputs of its window) into
+    the slots that `write`."""
+    kept = conv_pool.shape[1]
+    idx = lengths[:, None] + torch.arange(kept, device=window.device)[None, :]
+    conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
+    conv_pool[slots] = torch.where(write[:, None, None], conv_new, conv_old)
+
+
 def gate_inputs_torch(
     b_a: torch.Tensor,  # [..., 2 * Hv]: b then a
     a_log: torch.Tensor,  # [Hv]

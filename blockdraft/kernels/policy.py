@@ -50,6 +50,9 @@ class KernelPolicy:
     # A Gated DeltaNet layer's decode rows (one row a sequence, no verify block) run its whole
     # token mixer (conv, gates, recurrence, gated norm) in one kernel, not ~30 small launches.
     fuse_gated_deltanet_decode: bool = True
+    # A Gated DeltaNet layer's verify forwards (every sequence a verify block) run its token
+    # mixer in one kernel, and the state commit after them in one more per layer.
+    fuse_gated_deltanet_verify: bool = False
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps

@@ -54,6 +54,8 @@ RaceFn = Callable[..., torch.Tensor]
 DynamicConvFn = Callable[..., torch.Tensor]
 GatedDeltaFn = Callable[..., torch.Tensor]
 GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
+GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
+GatedDeltaNetCommitFn = Callable[..., None]
 
 Fn = TypeVar("Fn")
 
@@ -140,6 +142,34 @@ def get_gated_deltanet_decode_backend(
         from blockdraft.kernels import triton_gated_deltanet_step
 
         return triton_gated_deltanet_step.triton_gated_deltanet_decode
+    return None
+
+
+def get_gated_deltanet_verify_backend(
+    device: torch.device | str | None = None,
+) -> GatedDeltaNetVerifyFn | None:
+    """`fn(qkv, b_a, z, conv_weight, a_log, dt_bias, norm_weight, norm_eps, num_k_heads,
+    conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, fresh, rows, lengths,
+    counters) -> out`: a Gated DeltaNet verify forward's token mixer in one Triton launch; None
+    off the Triton path, where the layer's own torch steps (`gated_deltanet_verify_torch` is
+    what they compute) run."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_gated_deltanet_verify
+
+        return triton_gated_deltanet_verify.triton_gated_deltanet_verify
+    return None
+
+
+def get_gated_deltanet_commit_backend(
+    device: torch.device | str | None = None,
+) -> GatedDeltaNetCommitFn | None:
+    """`fn(num_k_heads, conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots,
+    lengths)`: a Gated DeltaNet layer's state commit after a verify in one Triton launch; None
+    off the Triton path (`gated_deltanet_commit_torch` then runs)."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_gated_deltanet_verify
+
+        return triton_gated_deltanet_verify.triton_gated_deltanet_commit
     return None
 
 

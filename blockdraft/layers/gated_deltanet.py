@@ -11,7 +11,9 @@ slot of per-layer pools that the engine allocates beside the paged KV cache
 and verify blocks run the recurrence as one padded batch. A verify block only reads its slot
 and keeps its conv inputs and outputs, g and beta (`stash_*`): `commit_verified` then advances
 the slot over the accepted rows with the recurrence alone, so rejected rows leave no trace and
-the target never runs twice.
+the target never runs twice. On the Triton path a forward of decode rows only, and one of
+verify blocks only (with `fuse_gated_deltanet_verify`, which also fuses the commit), runs the
+token mixer in one kernel launch.
 
 Under tensor parallelism each rank holds its share of the key heads and of the value heads
 (their grouping kept: value head j reads key head j // (Hv / Hk)): the rows of its q, k and v
@@ -42,12 +44,18 @@ from blockdraft.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_torch,
     gate_inputs_torch,
     rms_norm_gated_torch,
+    split_heads,
+    store_conv_state_torch,
 )
+from blockdraft.kernels.gated_deltanet_verify import gated_deltanet_commit_torch
 from blockdraft.kernels.select import (
     GatedDeltaNetDecodeFn,
+    GatedDeltaNetVerifyFn,
     PerDevice,
     get_gated_delta_rule_backend,
+    get_gated_deltanet_commit_backend,
     get_gated_deltanet_decode_backend,
+    get_gated_deltanet_verify_backend,
     needs_autograd,
 )
 from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
@@ -138,8 +146,11 @@ class GatedDeltaNet(nn.Module):
         self.stash_gb: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv] float32
         self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
         self._fused_decode = PerDevice(get_gated_deltanet_decode_backend)  # Triton on CUDA
-        # Arrivals of a decode launch's programs per (sequence, key head), left zeroed.
-        self.decode_counters: torch.Tensor | None = None  # [num_slots * Hk] int32
+        self._fused_verify = PerDevice(get_gated_deltanet_verify_backend)  # Triton on CUDA
+        self._fused_commit = PerDevice(get_gated_deltanet_commit_backend)  # Triton on CUDA
+        # Arrivals of a fused launch's programs, left zeroed: per (sequence, key head) in a
+        # decode, per (sequence, value head) in a verify.
+        self.arrival_counters: torch.Tensor | None = None  # [num_slots * Hv] int32
         self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
     def fuse_projections(self) -> None:
@@ -170,9 +181,7 @@ class GatedDeltaNet(nn.Module):
         self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
-        self.decode_counters = torch.zeros(
-            num_slots * self.num_k_heads, dtype=torch.int32, device=device
-        )
+        self.arrival_counters = torch.zeros(num_slots * hv, dtype=torch.int32, device=device)
 
     def forward(
         self,
@@ -189,13 +198,17 @@ class GatedDeltaNet(nn.Module):
             qkv, z, ba = linear(x, *self._in_proj).split(
                 (self.conv_dim, self.value_dim, 2 * self.num_v_heads), dim=-1
             )
-        fused = self._decode_kernel(meta, qkv)
-        if fused is not None:
-            out = fused(
-                qkv, ba, z, self.conv1d.weight.view(self.conv_dim, -1), self.A_log,
-                self.dt_bias, self.norm.weight, self.norm.eps, self.num_k_heads,
-                self.conv_state, self.recurrent_state, meta.state_slots, meta.fresh,
-                self.decode_counters,
+        weights = (self.conv1d.weight.view(self.conv_dim, -1), self.A_log, self.dt_bias,
+                   self.norm.weight, self.norm.eps, self.num_k_heads)  # fmt: skip
+        pools = (self.conv_state, self.recurrent_state)
+        if (decode := self._decode_kernel(meta, qkv)) is not None:
+            out = decode(qkv, ba, z, *weights, *pools, meta.state_slots, meta.fresh,
+                         self.arrival_counters)  # fmt: skip
+        elif (verify := self._verify_kernel(meta, qkv)) is not None:
+            out = verify(
+                qkv, ba, z, *weights, *pools, self.stash_qkv, self.stash_mixed, self.stash_gb,
+                meta.state_slots, meta.fresh, meta.step.rows, meta.step.lengths,
+                self.arrival_counters,
             )  # fmt: skip
         else:
             core = self._mix(qkv, ba, meta)  # [num_tokens, Hv, Dv]
@@ -215,6 +228,21 @@ class GatedDeltaNet(nn.Module):
         if not current_kernel_policy().fuse_gated_deltanet_decode or needs_autograd(qkv):
             return None
         return self._fused_decode(qkv.device)
+
+    def _verify_kernel(
+        self, meta: LinearStateMetadata, qkv: torch.Tensor
+    ) -> GatedDeltaNetVerifyFn | None:
+        """The one-launch verify kernel when every sequence of this forward is a verify block
+        (the step batch then lists them in order) and the Triton path takes it; None: the step
+        path below."""
+        step = meta.step
+        if meta.prefill or step is None or step.verify is None:
+            return None
+        if step.verify.shape[0] != step.seqs.shape[0]:
+            return None
+        if not current_kernel_policy().fuse_gated_deltanet_verify or needs_autograd(qkv):
+            return None
+        return self._fused_verify(qkv.device)
 
     def _mix(
         self,
@@ -245,17 +273,15 @@ class GatedDeltaNet(nn.Module):
     ) -> None:
         """Advances each verified sequence's state over the first `lengths` rows of its last
         verify block (its kept conv outputs, g and beta), as decoding them would have."""
-        width = self.stash_qkv.shape[1]
-        lengths = lengths.clamp(max=width)
-        fresh = torch.zeros_like(slots, dtype=torch.bool)
-        write = torch.ones_like(slots, dtype=torch.bool)
-        q, k, v = self._heads(self.stash_mixed[slots])
-        g, beta = self.stash_gb[slots].split(self.num_v_heads, dim=-1)
-        recurrence = self._recurrence(slots.device)
-        recurrence(q, k, v, g, beta, self.recurrent_state, slots, fresh, lengths, write)
-        conv_old = self.conv_state[slots]
-        self._store_conv(torch.cat((conv_old, self.stash_qkv[slots]), 1), conv_old, slots,
-                         lengths, write)  # fmt: skip
+        args = (self.num_k_heads, self.conv_state, self.recurrent_state, self.stash_qkv,
+                self.stash_mixed, self.stash_gb, slots, lengths)  # fmt: skip
+        fused = None
+        if current_kernel_policy().fuse_gated_deltanet_verify:
+            fused = self._fused_commit(slots.device)
+        if fused is not None:
+            fused(*args)
+        else:
+            gated_deltanet_commit_torch(*args, recurrence=self._recurrence(slots.device))
 
     def _advance(
         self,
@@ -281,7 +307,7 @@ class GatedDeltaNet(nn.Module):
             self.stash_qkv[v_slots, :width] = x[verify].to(self.stash_qkv.dtype)
             self.stash_mixed[v_slots, :width] = mixed[verify].to(self.stash_mixed.dtype)
             self.stash_gb[v_slots, :width] = torch.cat((g, beta.float()), -1)[verify]
-        q, k, v = self._heads(mixed)
+        q, k, v = split_heads(mixed, self.num_k_heads, self.k_head_dim, self.num_v_heads)
         pool = self.recurrent_state
         if lengths is None:
             state0 = torch.where(keep[..., None], pool[slots], 0)
@@ -291,28 +317,5 @@ class GatedDeltaNet(nn.Module):
             return core
         recurrence = self._recurrence(x.device)
         core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
-        self._store_conv(window, conv_old, slots, lengths, write)
+        store_conv_state_torch(self.conv_state, window, conv_old, slots, lengths, write)
         return core
-
-    def _heads(
-        self,
-        mixed: torch.Tensor,  # [S, T, conv_dim] conv outputs
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q, k [S, T, Hk, Dk], v [S, T, Hv, Dv]
-        s, t = mixed.shape[:2]
-        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
-        heads = (s, t, self.num_k_heads, self.k_head_dim)
-        return q.reshape(heads), k.reshape(heads), v.reshape(s, t, self.num_v_heads, -1)
-
-    def _store_conv(
-        self,
-        window: torch.Tensor,  # [S, K - 1 + T, conv_dim] conv state, then the T inputs
-        conv_old: torch.Tensor,  # [S, K - 1, conv_dim] the slots' conv states
-        slots: torch.Tensor,  # [S] int64
-        lengths: torch.Tensor,  # [S] int64 inputs each sequence took
-        write: torch.Tensor,  # [S] bool
-    ) -> None:
-        """The conv state after each sequence's rows (the last K - 1 inputs of its window)
-        into the slots that `write`."""
-        idx = lengths[:, None] + torch.arange(self.conv_kernel - 1, device=window.device)[None, :]
-        conv_new = window.gather(1, idx[..., None].expand(-1, -1, window.shape[-1]))
-        self.conv_state[slots] = torch.where(write[:, None, None], conv_new, conv_old)

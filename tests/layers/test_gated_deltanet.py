@@ -1,13 +1,15 @@
 """`GatedDeltaNet` takes its one-launch decode kernel exactly for decode-only forwards on the
 Triton path (with `fuse_gated_deltanet_decode`), and its outputs and slot states then match its
 step path's; other forwards (prefill chunks, verify blocks, mixed batches) keep the step path.
+Likewise its one-launch verify kernel for forwards of verify blocks only, and its commit
+kernel, with `fuse_gated_deltanet_verify`.
 
 Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set by tests/conftest.py)."""
 
 import pytest
 import torch
 
-from blockdraft.kernels import triton_gated_deltanet_step
+from blockdraft.kernels import triton_gated_deltanet_step, triton_gated_deltanet_verify
 from blockdraft.kernels.forward_context import build_linear_metadata, forward_context
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.runtime.host_batch import build_attention_metadata
@@ -76,4 +78,43 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     run(fused, x, [3, 0], [9, 0], [1, 5], [False, False])  # a decode row beside a prefill
     run(fused, x[:4], [3, 0], [9, 2], [1, 3], [False, True])  # beside a verify block
     run(fused, x[:3], [3], [9], [3], [True])  # a verify block alone
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch, dtype) -> None:
+    """A forward of two verify blocks (4 and 2 rows, the second a padded request on the spare
+    slot) and the commit of 3 rows after it: with `fuse_gated_deltanet_verify` both kernels
+    run, and outputs, stash and committed states match the step path's. Verify blocks beside
+    a decode row or a prefill chunk keep the step path."""
+    calls = []
+    for name in ("triton_gated_deltanet_verify", "triton_gated_deltanet_commit"):
+        kernel = getattr(triton_gated_deltanet_verify, name)
+
+        def spy(*args, _name=name, _kernel=kernel, **kwargs):
+            return calls.append(_name) or _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_gated_deltanet_verify, name, spy)
+    fused, plain = tiny_layer(rng, dtype), tiny_layer(rng, dtype)
+    plain.load_state_dict(fused.state_dict())
+    for name in ("conv_state", "recurrent_state"):
+        getattr(plain, name).copy_(getattr(fused, name))
+    x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
+    verify_block = ([3, -1], [9, 4], [4, 2], [True, True])
+    set_policy(backend="triton", fuse_gated_deltanet_verify=True)
+    got = run(fused, x, *verify_block)
+    fused.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
+    set_policy(backend="triton")
+    want = run(plain, x, *verify_block)
+    plain.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
+    assert calls == ["triton_gated_deltanet_verify", "triton_gated_deltanet_commit"]
+    assert_near(got, want, dtype, bf16_max=1.0, bf16_mean=0.015)
+    assert torch.equal(fused.stash_qkv[3], plain.stash_qkv[3])
+    ulps = 2**-22 if dtype == torch.float32 else 2**-6  # conv outputs: rounded twice
+    torch.testing.assert_close(fused.stash_mixed[3], plain.stash_mixed[3], atol=ulps, rtol=ulps)
+    assert torch.equal(fused.conv_state[3], plain.conv_state[3])
+    assert_near(fused.recurrent_state[3], plain.recurrent_state[3], dtype, 0.1, 0.002)
+    set_policy(backend="triton", fuse_gated_deltanet_verify=True)
+    run(fused, x[:5], [3, 0], [12, 2], [1, 4], [False, True])  # beside a decode row
+    run(fused, x, [3, 0], [12, 0], [4, 2], [True, False])  # beside a prefill chunk
     assert len(calls) == 2

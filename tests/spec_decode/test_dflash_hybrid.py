@@ -13,6 +13,10 @@ import torch
 from transformers import DynamicCache
 
 from blockdraft import LLM, SamplingParams
+from blockdraft.kernels import triton_gated_deltanet_verify
+from blockdraft.kernels.policy import KernelPolicy
+from blockdraft.kernels.triton_env import triton_interpreting
+from blockdraft.layers import gated_deltanet
 
 from checkpoints import (
     load_hf_target,
@@ -232,3 +236,47 @@ def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng) -> None:
     (off / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": False}))
     with pytest.raises(ValueError, match="use_sliding_window not false"):
         LLM(str(target), speculative_config=spec(off, 7))
+
+
+@pytest.mark.skipif(not triton_interpreting(), reason="the Triton interpreter on the CPU")
+def test_fused_verify_keeps_greedy_tokens(tmp_path: Path, monkeypatch, rng) -> None:
+    """With `fuse_gated_deltanet_verify` a hybrid target's Gated DeltaNet layer runs its verify
+    forwards and commits through the one-launch kernels (interpreted; every other kernel the
+    torch one, and one linear layer of two, to keep the run short): two requests, partial
+    acceptance, a prefill chunk beside a verify; the same tokens and acceptance lengths as
+    with the option off."""
+    calls = []
+    for step in ("verify", "commit"):
+        name = f"triton_gated_deltanet_{step}"
+        kernel = getattr(triton_gated_deltanet_verify, name)
+
+        def spy(*args, _name=name, _kernel=kernel, **kwargs):
+            return calls.append(_name) or _kernel(*args, **kwargs)
+
+        getter = f"get_gated_deltanet_{step}_backend"
+        monkeypatch.setattr(gated_deltanet, getter, lambda device, _spy=spy: _spy)
+    target = make_qwen3_5_checkpoint(
+        tmp_path / "target", num_layers=2, layer_types=("linear_attention", "full_attention"),
+        linear_heads=(1, 2),
+    )  # fmt: skip
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, num_layers=1, block_size=4)
+    prompts = [torch.randint(4, 128, (k,), generator=rng).tolist() for k in (5, 19)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+
+    def generate(fuse: bool) -> list[tuple[list[int], list[int]]]:
+        torch.manual_seed(seed)  # the synthetic acceptance's coins
+        llm = LLM(
+            str(target), speculative_config=spec(drafter, 3, synthetic_acceptance_rate=0.6),
+            kernel_policy=KernelPolicy(backend="torch", fuse_gated_deltanet_verify=fuse),
+            max_num_batched_tokens=16,
+        )  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.spec_accept_lengths) for o in outs]
+
+    fused = generate(True)
+    assert "triton_gated_deltanet_verify" in calls and "triton_gated_deltanet_commit" in calls
+    calls.clear()
+    assert fused == generate(False)
+    assert not calls
+    assert any(1 < k < 4 for _, lengths in fused for k in lengths[:-1])  # partial acceptance

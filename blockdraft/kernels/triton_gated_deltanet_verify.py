@@ -1,0 +1,449 @@
+"""A Gated DeltaNet layer's verify forward in one launch, and the commit after it in one more:
+the kernels of `gated_deltanet_verify_torch` and `gated_deltanet_commit_torch`
+(blockdraft.kernels.gated_deltanet_verify; same arguments, same roundings to the tensors'
+dtypes, reductions may round in a different order).
+
+Verify: one program per (sequence, value head, block of value dims) holds its [Dk, BV] slice
+of the float32 state on chip over the block's rows. For each row it forms the conv (SiLU) of
+its key head's q and k channels and of its value channels over the window (the slot's conv
+state, then the block's inputs, read through the step's row indices), g and beta, the L2
+norms, advances the state and stores the un-normed output, and keeps the row's conv inputs,
+conv outputs, g and beta in the slot's stash. The programs of the value heads sharing a key
+head each form its q and k (a few hundred multiply-adds a row, against a round trip between
+programs); value block 0 of the key head's first value head stashes them. The slot's states
+are only read. Splitting a head's value dims over programs keeps a batch of one busy (Qwen3.5
+27B: 4 x 48 programs), each with one serial pass over the rows instead of one a block; the
+gated RMSNorm then needs the head's whole output row: the head's last program to finish (an
+atomic counter per (sequence, value head), reset by it) normalises all its rows.
+
+Commit: one program per (sequence, value head, block of value dims) advances its state slice
+over the accepted rows of the stash and stores it; the program of value block 0 of each key
+head's first value head shifts that key head's q/k conv state, every program its own value
+channels. Nothing in the launch reads what another program writes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockdraft.kernels.gated_deltanet_verify import (
+    gated_deltanet_commit_torch,
+    gated_deltanet_verify_torch,
+)
+from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
+
+__all__ = [
+    "gated_deltanet_commit_torch",
+    "gated_deltanet_verify_torch",
+    "triton_gated_deltanet_commit",
+    "triton_gated_deltanet_verify",
+]
+
+
+@triton.jit
+def _window_conv(
+    qkv_ptr,  # [N, conv_dim] row stride stride_qkv
+    stride_qkv,
+    rows_ptr,  # this sequence's [T] flat rows
+    conv_ptr,  # this slot's conv state [K - 1, conv_dim] contiguous
+    weight_ptr,  # [conv_dim, K] contiguous
+    t,  # the step: window rows t .. t + K - 1
+    ch,  # [B] channels
+    mask,  # [B]
+    keep,  # scalar: read the conv state (not fresh)
+    conv_dim,
+    K: tl.constexpr,
+):
+    """silu(conv) of the channels at step t over the window (the conv state's K - 1 rows,
+    then the block's inputs), float32 rounded as the torch twin rounds: the sum to the conv
+    state's dtype, the SiLU's result to it and then to the inputs' dtype (returned in it)."""
+    state_ty = conv_ptr.dtype.element_ty
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        i = t + j  # window row
+        in_state = i < K - 1
+        x_old = tl.load(conv_ptr + i * conv_dim + ch, mask=mask & keep & in_state, other=0.0)
+        row = tl.load(rows_ptr + i - (K - 1), mask=i >= K - 1, other=0)
+        x_new = tl.load(qkv_ptr + row * stride_qkv + ch, mask=mask & (i >= K - 1), other=0.0)
+        x = tl.where(in_state, x_old, x_new.to(state_ty))
+        w = tl.load(weight_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32)
+        acc += x.to(tl.float32) * w
+    acc = acc.to(state_ty).to(tl.float32)
+    return (acc / (1.0 + tl.exp(-acc))).to(state_ty).to(qkv_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _stash_row(
+    qkv_row_ptr,  # this step's conv inputs [conv_dim]
+    stash_qkv_ptr,  # this step's stash rows [conv_dim]
+    stash_mixed_ptr,
+    mixed,  # [B] conv outputs, the inputs' dtype
+    ch,  # [B]
+    mask,  # [B]
+):
+    x = tl.load(qkv_row_ptr + ch, mask=mask, other=0.0)
+    tl.store(stash_qkv_ptr + ch, x.to(stash_qkv_ptr.dtype.element_ty), mask=mask)
+    tl.store(stash_mixed_ptr + ch, mixed.to(stash_mixed_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _delta_step(
+    state,  # [BK, BV] float32
+    q,  # [BK] float32, not yet normalised
+    k,  # [BK]
+    v,  # [BV] float32
+    decay,
+    beta,
+    scale,
+    eps,
+):
+    """One token of the gated delta rule on a state slice: (new state, output [BV])."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state recalls for k
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
+
+
+@triton.jit
+def _gated_norm_rows(
+    out_ptr,  # [N, Hv * Dv] contiguous: un-normed core in, gated-normed out
+    z_ptr,  # [N, Hv * Dv] row stride stride_z
+    norm_weight_ptr,  # [Dv]
+    rows_ptr,  # this sequence's [T] flat rows
+    length,
+    head,
+    stride_z,
+    Hv,
+    Dv,
+    norm_eps,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+):
+    """`weight * rms_norm(core) * silu(z)` over the head's rows of this sequence, in place."""
+    out_ty = out_ptr.dtype.element_ty
+    offs_t = tl.arange(0, BT)
+    mask_t = offs_t < length
+    rows = tl.load(rows_ptr + offs_t, mask=mask_t, other=0)
+    offs_d = tl.arange(0, BD)
+    mask_d = offs_d < Dv
+    mask = mask_t[:, None] & mask_d[None, :]
+    ptrs = out_ptr + rows[:, None] * (Hv * Dv) + head * Dv + offs_d[None, :]
+    # ".cg": the other programs' rows come from L2, never a stale L1 line.
+    core = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(core * core, axis=1) / Dv + norm_eps)
+    w = tl.load(norm_weight_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    y = (core * rstd[:, None]).to(out_ty).to(tl.float32) * w[None, :]
+    if ROUND_PRODUCT:
+        y = y.to(out_ty).to(tl.float32)
+    z_ptrs = z_ptr + rows[:, None] * stride_z + head * Dv + offs_d[None, :]
+    gate = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    y = y * (gate / (1.0 + tl.exp(-gate)))
+    tl.debug_barrier()  # every copy of the un-normed rows is read before they are replaced
+    tl.store(ptrs, y.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _gated_deltanet_verify_kernel(
+    qkv_ptr,  # [N, conv_dim] row stride stride_qkv: q | k | v channels
+    ba_ptr,  # [N, 2 * Hv] row stride stride_ba: b then a
+    z_ptr,  # [N, Hv * Dv] row stride stride_z
+    conv_weight_ptr,  # [conv_dim, K] contiguous
+    a_log_ptr,  # [Hv]
+    dt_bias_ptr,  # [Hv]
+    norm_weight_ptr,  # [Dv]
+    conv_ptr,  # [num_slots, K - 1, conv_dim] contiguous
+    state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv_ptr,  # [num_slots, W, conv_dim] contiguous
+    stash_mixed_ptr,  # [num_slots, W, conv_dim] contiguous
+    stash_gb_ptr,  # [num_slots, W, 2 * Hv] float32 contiguous
+    slots_ptr,  # [S] int64 (-1: the last slot)
+    fresh_ptr,  # [S] bool
+    rows_ptr,  # [S, T] int64 contiguous
+    lengths_ptr,  # [S] int64
+    counters_ptr,  # [>= S * Hv] int32 zeros; left as zeros
+    out_ptr,  # [N, Hv * Dv] contiguous, qkv's dtype
+    stride_qkv,
+    stride_ba,
+    stride_z,
+    num_slots,
+    T,
+    W,
+    Hk,
+    Hv,
+    Dk,
+    Dv,
+    groups,  # Hv // Hk: value heads per key head
+    scale,  # Dk ** -0.5, on the normalised query
+    l2_eps,
+    norm_eps,
+    K: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    BT: tl.constexpr,  # T rounded up to a power of two
+    BD: tl.constexpr,  # Dv rounded up to a power of two
+    SPLIT: tl.constexpr,  # more than one value block a head
+    ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
+):
+    pdl_start(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    k_head = head // groups
+    out_ty = out_ptr.dtype.element_ty
+    conv_dim = 2 * Hk * Dk + Hv * Dv
+    slot = tl.load(slots_ptr + seq)
+    slot = tl.where(slot < 0, slot + num_slots, slot)
+    keep = tl.load(fresh_ptr + seq) == 0
+    length = tl.load(lengths_ptr + seq)
+    seq_rows_ptr = rows_ptr + seq * T
+    conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
+
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    q_ch = k_head * Dk + offs_k
+    k_ch = Hk * Dk + q_ch
+    offs_v = block * BV + tl.arange(0, BV)
+    mask_v = offs_v < Dv
+    v_ch = 2 * Hk * Dk + head * Dv + offs_v
+    stashes_qk = mask_k & (head % groups == 0) & (block == 0)
+    state_ptrs = (
+        state_ptr
+        + (slot * Hv + head) * Dk * Dv
+        + offs_k[:, None].to(tl.int64) * Dv
+        + offs_v[None, :]
+    )
+    state = tl.load(state_ptrs, mask=mask_k[:, None] & mask_v[None, :] & keep, other=0.0)
+    neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+
+    for t in range(0, length):
+        row = tl.load(seq_rows_ptr + t)
+        q = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         q_ch, mask_k, keep, conv_dim, K)  # fmt: skip
+        k = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         k_ch, mask_k, keep, conv_dim, K)  # fmt: skip
+        v = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         v_ch, mask_v, keep, conv_dim, K)  # fmt: skip
+        x_ptr = qkv_ptr + row * stride_qkv
+        x_stash_ptr = stash_qkv_ptr + (slot * W + t) * conv_dim
+        mixed_stash_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, q, q_ch, stashes_qk)
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, k, k_ch, stashes_qk)
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, v, v_ch, mask_v)
+
+        b = tl.load(ba_ptr + row * stride_ba + head)
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        a = tl.load(ba_ptr + row * stride_ba + Hv + head).to(tl.float32) + dt_bias
+        g = neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
+        tl.store(gb_ptr, g, mask=block == 0)
+        tl.store(gb_ptr + Hv, beta, mask=block == 0)
+
+        state, core = _delta_step(
+            state, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), tl.exp(g), beta,
+            scale, l2_eps,
+        )  # fmt: skip
+        tl.store(out_ptr + row * (Hv * Dv) + head * Dv + offs_v, core.to(out_ty), mask=mask_v)
+
+    # Every thread's stores come before the arrival, which releases them to the last program.
+    tl.debug_barrier()
+    if SPLIT:
+        counter = counters_ptr + seq * Hv + head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            tl.store(counter, 0)  # ready for the next launch
+            tl.debug_barrier()  # the arrival's acquire before every thread's loads
+            _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, seq_rows_ptr, length, head,
+                             stride_z, Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
+    else:
+        _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, seq_rows_ptr, length, head, stride_z,
+                         Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
+
+
+@triton.jit
+def _commit_conv_state(
+    conv_ptr,  # this slot's conv state [K - 1, conv_dim] contiguous
+    stash_ptr,  # this slot's kept conv inputs [W, conv_dim] contiguous
+    ch,  # [B] channels
+    mask,  # [B]: the channels to shift (none: the state stays)
+    length,  # rows taken
+    conv_dim,
+    K: tl.constexpr,
+    KP: tl.constexpr,  # K - 1 rounded up to a power of two
+):
+    """The conv state after `length` rows: rows length .. length + K - 2 of the window (the
+    conv state, then the kept inputs). Every read of the state comes before the barrier, every
+    write after (rows move up)."""
+    r = tl.arange(0, KP)[:, None]
+    i = length + r  # window row of new row r
+    in_state = i < K - 1
+    live = (r < K - 1) & mask[None, :]
+    old = tl.load(conv_ptr + i * conv_dim + ch[None, :], mask=live & in_state, other=0.0)
+    new = tl.load(
+        stash_ptr + (i - (K - 1)) * conv_dim + ch[None, :], mask=live & (i >= K - 1), other=0.0
+    )
+    shifted = tl.where(in_state, old, new.to(conv_ptr.dtype.element_ty))
+    tl.debug_barrier()
+    tl.store(conv_ptr + r * conv_dim + ch[None, :], shifted, mask=live)
+
+
+@triton.jit
+def _gated_deltanet_commit_kernel(
+    conv_ptr,  # [num_slots, K - 1, conv_dim] contiguous
+    state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv_ptr,  # [num_slots, W, conv_dim] contiguous
+    stash_mixed_ptr,  # [num_slots, W, conv_dim] contiguous
+    stash_gb_ptr,  # [num_slots, W, 2 * Hv] float32 contiguous
+    slots_ptr,  # [V] int64 (-1: the last slot)
+    lengths_ptr,  # [V] int64
+    num_slots,
+    W,
+    Hk,
+    Hv,
+    Dk,
+    Dv,
+    groups,  # Hv // Hk: value heads per key head
+    scale,  # Dk ** -0.5, on the normalised query
+    eps,
+    K: tl.constexpr,
+    KP: tl.constexpr,  # K - 1 rounded up to a power of two
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    block = tl.program_id(2)
+    conv_dim = 2 * Hk * Dk + Hv * Dv
+    slot = tl.load(slots_ptr + seq)
+    slot = tl.where(slot < 0, slot + num_slots, slot)
+    length = tl.minimum(tl.load(lengths_ptr + seq), W)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    q_ch = (head // groups) * Dk + offs_k
+    k_ch = Hk * Dk + q_ch
+    offs_v = block * BV + tl.arange(0, BV)
+    mask_v = offs_v < Dv
+    v_ch = 2 * Hk * Dk + head * Dv + offs_v
+    mask = mask_k[:, None] & mask_v[None, :]
+    state_ptrs = (
+        state_ptr
+        + (slot * Hv + head) * Dk * Dv
+        + offs_k[:, None].to(tl.int64) * Dv
+        + offs_v[None, :]
+    )
+    state = tl.load(state_ptrs, mask=mask, other=0.0)
+    for t in range(0, length):
+        mixed_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
+        q = tl.load(mixed_ptr + q_ch, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(mixed_ptr + k_ch, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(mixed_ptr + v_ch, mask=mask_v, other=0.0).to(tl.float32)
+        gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
+        decay = tl.exp(tl.load(gb_ptr))
+        state, _ = _delta_step(state, q, k, v, decay, tl.load(gb_ptr + Hv), scale, eps)
+    taken = length > 0
+    tl.store(state_ptrs, state, mask=mask & taken)
+
+    conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
+    stash_slot_ptr = stash_qkv_ptr + slot * W * conv_dim
+    shifts_qk = mask_k & taken & (head % groups == 0) & (block == 0)
+    _commit_conv_state(conv_slot_ptr, stash_slot_ptr, q_ch, shifts_qk, length, conv_dim, K, KP)
+    _commit_conv_state(conv_slot_ptr, stash_slot_ptr, k_ch, shifts_qk, length, conv_dim, K, KP)
+    _commit_conv_state(conv_slot_ptr, stash_slot_ptr, v_ch, mask_v & taken, length, conv_dim, K, KP)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x with unit column stride (a column slice of a fused projection stays as it is)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _block_v(dv: int, block_v: int | None) -> int:
+    # Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads
+    # spill heavily.
+    return block_v or min(triton.next_power_of_2(dv), 32)
+
+
+def triton_gated_deltanet_verify(
+    qkv: torch.Tensor,  # [N, conv_dim] the forward's conv inputs: q | k | v channels
+    b_a: torch.Tensor,  # [N, 2 * Hv]: b then a
+    z: torch.Tensor,  # [N, Hv * Dv] output gate
+    conv_weight: torch.Tensor,  # [conv_dim, K] depthwise taps
+    a_log: torch.Tensor,  # [Hv]
+    dt_bias: torch.Tensor,  # [Hv]
+    norm_weight: torch.Tensor,  # [Dv]
+    norm_eps: float,
+    num_k_heads: int,
+    conv_pool: torch.Tensor,  # [num_slots, K - 1, conv_dim] contiguous
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
+    stash_mixed: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
+    stash_gb: torch.Tensor,  # [num_slots, W, 2 * Hv] float32 contiguous
+    slots: torch.Tensor,  # [S] int64 each sequence's slot (-1: the spare last)
+    fresh: torch.Tensor,  # [S] bool: start from zero states
+    rows: torch.Tensor,  # [S, T] int64 flat row of each step; past a sequence's length, its last
+    lengths: torch.Tensor,  # [S] int64 rows of each sequence (T >= each >= 1)
+    counters: torch.Tensor | None = None,  # [>= S * Hv] int32 zeros, kept between launches
+    block_v: int | None = None,  # value dims of a program's state slice (default: up to 32)
+) -> torch.Tensor:  # [N, Hv * Dv] qkv's dtype
+    """`gated_deltanet_verify_torch` in one launch (the stash only for each sequence's first
+    `lengths` rows). `counters` (zeros, left as zeros) saves an allocation per call."""
+    n, conv_dim = qkv.shape
+    s, t = rows.shape
+    hv, dk, dv = state_pool.shape[1:]
+    width = stash_qkv.shape[1]
+    if t > width:
+        raise ValueError(f"verify blocks of {t} rows exceed the stash's {width}")
+    out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
+    if s == 0:
+        return out
+    if counters is None or counters.numel() < s * hv:
+        counters = torch.zeros(s * hv, dtype=torch.int32, device=qkv.device)
+    bv = _block_v(dv, block_v)
+    blocks = triton.cdiv(dv, bv)
+    qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
+    round_product = torch.result_type(norm_weight, out) == out.dtype != torch.float32
+    pdl = pdl_enabled(qkv.device)
+    _gated_deltanet_verify_kernel[(s, hv, blocks)](
+        qkv, b_a, z, conv_weight.contiguous(), a_log, dt_bias, norm_weight,
+        conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb,
+        slots, fresh, rows.contiguous(), lengths, counters, out,
+        qkv.stride(0), b_a.stride(0), z.stride(0),
+        state_pool.shape[0], t, width, num_k_heads, hv, dk, dv, hv // num_k_heads, dk**-0.5,
+        1e-6, norm_eps,
+        K=conv_weight.shape[-1], BK=triton.next_power_of_2(dk), BV=bv,
+        BT=triton.next_power_of_2(t), BD=triton.next_power_of_2(dv), SPLIT=blocks > 1,
+        ROUND_PRODUCT=round_product, PDL=pdl, num_warps=4, **launch_options(pdl),
+    )  # fmt: skip
+    return out
+
+
+def triton_gated_deltanet_commit(
+    num_k_heads: int,
+    conv_pool: torch.Tensor,  # [num_slots, K - 1, conv_dim] contiguous
+    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
+    stash_mixed: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
+    stash_gb: torch.Tensor,  # [num_slots, W, 2 * Hv] float32 contiguous
+    slots: torch.Tensor,  # [V] int64 slots of the verified sequences (-1: the spare last)
+    lengths: torch.Tensor,  # [V] int64 rows to keep (past W: W; 0: the slot stays as it is)
+    block_v: int | None = None,  # value dims of a program's state slice (default: up to 32)
+) -> None:
+    """`gated_deltanet_commit_torch` in one launch."""
+    v = slots.shape[0]
+    if v == 0:
+        return
+    hv, dk, dv = state_pool.shape[1:]
+    taps = conv_pool.shape[1] + 1
+    bv = _block_v(dv, block_v)
+    _gated_deltanet_commit_kernel[(v, hv, triton.cdiv(dv, bv))](
+        conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, lengths,
+        state_pool.shape[0], stash_qkv.shape[1], num_k_heads, hv, dk, dv, hv // num_k_heads,
+        dk**-0.5, 1e-6,
+        K=taps, KP=triton.next_power_of_2(taps - 1), BK=triton.next_power_of_2(dk), BV=bv,
+        num_warps=4,
+    )  # fmt: skip
