@@ -69,7 +69,10 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
     max_new = 30
 
     ref_logits, ref_proposals = zlab2_first_step(target, drafter, prompt)
-    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
+    # Without prefix caching the sliding layers keep only their windows' pages (window_pages.py).
+    llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4,
+              enable_prefix_caching=kind != "sliding")  # fmt: skip
+    assert (llm.engine.block_manager.window_pages is not None) == (kind == "sliding")
     drafter_module = llm.engine.proposer.drafter
     seen_logits: list[torch.Tensor] = []
     original = drafter_module.compute_logits
