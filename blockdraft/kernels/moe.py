@@ -35,9 +35,12 @@ def experts_torch(
 ) -> torch.Tensor:  # [num_tokens, hidden], x's dtype
     """sum_k weight_k * down_e(silu(gate_e(x)) * up_e(x)) over each token's chosen experts e,
     one GEMM per expert hit (tokens grouped by expert). The routing weight is applied in x's
-    dtype after the down projection, as transformers does."""
+    dtype after the down projection, as transformers does. Ids outside [0, num_experts) choose
+    no expert (another rank's, under tensor parallelism)."""
     out = torch.zeros_like(x)
     for expert in torch.unique(topk_ids).tolist():
+        if not 0 <= expert < w_gate_up.shape[0]:
+            continue
         rows, slots = torch.where(topk_ids == expert)
         gate, up = F.linear(x[rows], w_gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w_down[expert])

@@ -30,9 +30,10 @@ rounded to x's dtype, silu rounded, the product rounded; the down projection rou
 the weight rounded to x's dtype; only the sum over slots is kept in fp32 (the twin adds in x's
 dtype, expert by expert).
 
-Ids outside [0, E) never reach a weight: the router clamps (a NaN row of a padded token still
-gets valid experts) and the grouping drops them (that token's output row is then garbage, as a
-padded row's may be; other rows are untouched).
+A pair whose id lies outside [0, E) has no expert and adds nothing: its programs exit at once
+on the decode path, the grouping drops it, and the sum skips its row. Tensor parallelism routes
+another rank's experts so (the router itself clamps: a NaN row of a padded token still gets
+valid experts).
 
 The router, the decode GEMVs and the sum are launched with programmatic dependent launch where
 the active policy has it on (`blockdraft.kernels.pdl`: decode forwards on Hopper), as the
@@ -211,20 +212,19 @@ def triton_experts(
     x, w_gate_up, w_down = _unit_columns(x), _unit_columns(w_gate_up), _unit_columns(w_down)
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).float().contiguous()
-    # A token's k pair rows together: the sum kernel reads them in slot order. With k = 1 the
-    # pair rows are the output rows.
-    pairs = out if top_k == 1 else torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
+    # A token's k pair rows together: the sum kernel reads them in slot order, skipping the
+    # pairs without an expert (rows nothing writes).
+    pairs = torch.empty((num_pairs, hidden), dtype=x.dtype, device=x.device)
     pdl = pdl_enabled(x.device)
     if isinstance(config, DecodeConfig):
         _decode_experts(x, w_gate_up, w_down, weights, ids, top_k, pairs, config, pdl)
     else:
         _grouped_experts(x, w_gate_up, w_down, weights, ids, top_k, pairs, config)
-    if top_k > 1:
-        block = min(1024, triton.next_power_of_2(hidden))
-        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-            pairs, out, hidden, top_k, pairs.stride(0), out.stride(0), BLOCK=block, PDL=pdl,
-            num_warps=4, **launch_options(pdl),
-        )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        pairs, ids, out, w_down.shape[0], hidden, top_k, pairs.stride(0), out.stride(0),
+        BLOCK=block, PDL=pdl, num_warps=4, **launch_options(pdl),
+    )  # fmt: skip
     return out
 
 
@@ -240,7 +240,7 @@ def _decode_experts(
     pdl: bool,
 ) -> None:
     num_pairs, hidden = pairs.shape
-    inter = w_down.shape[2]
+    num_experts, _, inter = w_down.shape
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     gate_up_k = min(cfg.gate_up_block_k, max(16, triton.next_power_of_2(hidden)))
     _moe_decode_gate_up_kernel[(num_pairs, triton.cdiv(inter, cfg.block_n))](
@@ -248,6 +248,7 @@ def _decode_experts(
         w_gate_up,
         ids,
         h,
+        num_experts,
         hidden,
         inter,
         top_k,
@@ -271,6 +272,7 @@ def _decode_experts(
         ids,
         weights,
         pairs,
+        num_experts,
         hidden,
         inter,
         h.stride(0),

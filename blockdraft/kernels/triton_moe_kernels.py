@@ -291,8 +291,9 @@ def _moe_grouped_down_kernel(
 def _moe_decode_gate_up_kernel(
     x_ptr,  # [T, H], unit column stride
     w_ptr,  # [E, 2I, H], unit column stride
-    ids_ptr,  # [S] expert ids of the pairs
+    ids_ptr,  # [S] expert ids of the pairs; outside [0, E): no expert
     out_ptr,  # [S, INTER]: silu(gate) * up of each pair
+    E,
     H,
     INTER,
     top_k,
@@ -311,6 +312,8 @@ def _moe_decode_gate_up_kernel(
     if PDL:  # the expert ids and x come from earlier kernels
         tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= E):  # another rank's expert: the sum skips the pair
+        return
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, INTER - 1).to(tl.int64)
@@ -347,9 +350,10 @@ def _moe_decode_gate_up_kernel(
 def _moe_decode_down_kernel(
     h_ptr,  # [S, INTER], from _moe_decode_gate_up_kernel
     w_ptr,  # [E, H, INTER], unit column stride
-    ids_ptr,  # [S]
+    ids_ptr,  # [S]; outside [0, E): no expert
     weights_ptr,  # [S] fp32
     out_ptr,  # [S, H]
+    E,
     H,
     INTER,
     stride_hs,
@@ -367,6 +371,8 @@ def _moe_decode_down_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= E):
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -393,7 +399,9 @@ def _moe_decode_down_kernel(
 @triton.jit
 def _moe_sum_kernel(
     pairs_ptr,  # [T * top_k, H]: the pairs' weighted outputs, a token's top_k rows together
+    ids_ptr,  # [T * top_k]: a pair outside [0, E) adds nothing (its row was never written)
     out_ptr,  # [T, H]
+    E,
     H,
     top_k,
     stride_ps,
@@ -407,5 +415,8 @@ def _moe_sum_kernel(
     ok = offs < H
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for k in tl.range(0, top_k):  # slot order: the same sum on every run, no atomics
-        acc += tl.load(pairs_ptr + (t * top_k + k) * stride_ps + offs, mask=ok).to(tl.float32)
+        expert = tl.load(ids_ptr + t * top_k + k)
+        live = ok & (expert >= 0) & (expert < E)
+        row = pairs_ptr + (t * top_k + k) * stride_ps + offs
+        acc += tl.load(row, mask=live, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

@@ -8,8 +8,9 @@ so that state dicts match; checkpoints with one tensor per expert are stacked at
 
 Under tensor parallelism each rank holds a contiguous range of the experts (`num_experts`
 divisible by the ranks) and the router whole: every rank routes every token alike, runs its own
-experts on the slots routed to them (the others weigh zero, so shapes stay fixed: no host sync,
-CUDA-graph safe) and the ranks' partial sums meet in one all-reduce, which also sums the shared
+experts on the slots routed to them (the others keep their place with id -1, which the kernels
+skip, so shapes stay fixed: no host sync, CUDA-graph safe) and the ranks' partial sums meet in
+one all-reduce, which also sums the shared
 expert's (split like the dense MLP, its intermediate features over the ranks)."""
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class Experts(nn.Module):
         weights: torch.Tensor,  # [num_tokens, top_k] fp32
         ids: torch.Tensor,  # [num_tokens, top_k] int, of all the experts
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (weights, ids), same shapes
-        """The routes with ids into this rank's experts: the slots routed elsewhere go to local
-        expert 0 with weight zero."""
+        """The routes with ids into this rank's experts: the slots routed elsewhere get id -1,
+        which no expert computes (the kernels skip them: no weight is read for them)."""
         local = ids - self.start
         mine = (local >= 0) & (local < self.stop - self.start)
-        return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
+        return weights, torch.where(mine, local, -1)
 
 
 class SparseMoE(nn.Module):

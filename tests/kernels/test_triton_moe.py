@@ -162,6 +162,31 @@ def test_padded_rows_do_not_touch_other_rows(rng, config) -> None:
     check(got[real], expected)
 
 
+@pytest.mark.parametrize(
+    "config,tokens,top_k",
+    [(DECODE, 2, 4), (GROUPED, 11, 2), (GROUPED, 9, 1)],
+    ids=["decode", "grouped", "grouped-top1"],
+)
+def test_pairs_without_an_expert_add_nothing(rng, config, tokens, top_k) -> None:
+    """Ids outside [0, E) (another rank's experts: -1; or E) add nothing to their token, which
+    sums its other pairs; a token without any expert gets zeros. Their weights are not read:
+    NaN there changes nothing."""
+    experts = 6
+    x = randn(rng, tokens, HIDDEN)
+    w_gate_up, w_down = expert_weights(rng, experts, torch.float32)
+    weights, ids = routing(rng, tokens, experts, top_k)
+    gone = torch.rand(tokens, top_k, generator=rng) < 0.5
+    gone[0] = True  # a token all of whose experts live elsewhere
+    ids = torch.where(gone, torch.where(torch.rand(tokens, top_k, generator=rng) < 0.5, -1,
+                                        experts), ids)  # fmt: skip
+    weights[gone] = float("nan")
+    got = triton_experts(x, w_gate_up, w_down, weights, ids, config)
+    kept = torch.where(gone, 0.0, weights)
+    check(got, experts_torch(x, w_gate_up, w_down, kept, torch.where(gone, 0, ids)))
+    assert not got[0].any()
+    check(experts_torch(x, w_gate_up, w_down, weights, ids), got)
+
+
 def test_group_by_expert_is_a_stable_padded_sort(rng) -> None:
     experts, block_m = 7, 4
     ids = torch.randint(0, experts - 1, (45,), generator=rng).to(DEVICE)  # the last one empty
