@@ -175,4 +175,4 @@ def assert_same_token_law(
     for position in positions:
         a = [tokens[position] for tokens in plain]
         s = [tokens[position] for tokens in speculative]
-        assert two_sample_pvalue(a, s) > 1e-3, (position, sorted(set(a)), sorted(set(s)))
+        assert two_sample_pvalue(a, s) > ALPHA, (position, sorted(set(a)), sorted(set(s)))
