@@ -76,17 +76,22 @@ PROBE_BUDGET = 0.02
 class CostPrior:
     """cost(b, N) / decode(b) before any step is timed: 1 + drafter_overhead * (N > 0) +
     per_row * b * N. On the CPU every verify row costs compute (SmolLM2-135M on 2 cores: N = 1 /
-    2 / 15 ran at 1.42 / 1.66 / 4.95 decode steps with its drafter); on an H200 the verify rows
+    2 / 15 ran at 1.42 / 1.66 / 4.95 decode steps with its drafter; on one thread N = 1 / 2 at
+    1.9 / 2.25, where a decode step's GEMVs read the weights at one core's bandwidth and the
+    drafter's small operations gain nothing from a second core); on an H200 the verify rows
     are nearly free at small batches (Qwen3-8B: a 16-row DFlash step 1.42 decode steps at batch
-    1, ~3.4 at 32 requests)."""
+    1, ~3.4 at 32 requests). A prior that flatters drafting costs the first steps of every
+    engine: they draft at a loss until their times are measured."""
 
     drafter_overhead: float
     per_row: float
 
     @classmethod
-    def for_device(cls, device_type: str) -> CostPrior:
+    def for_device(cls, device_type: str, num_threads: int = 2) -> CostPrior:
         if device_type == "cuda":
             return cls(drafter_overhead=0.35, per_row=0.005)
+        if num_threads == 1:
+            return cls(drafter_overhead=0.55, per_row=0.35)
         return cls(drafter_overhead=0.2, per_row=0.25)
 
     def __call__(self, batch: int, num_drafts: int) -> float:
@@ -183,8 +188,11 @@ class DraftLengthChooser:
         }
 
     @classmethod
-    def for_device(cls, schedule: DraftSchedule, device_type: str) -> DraftLengthChooser:
-        return cls(schedule, StepCostModel(CostPrior.for_device(device_type)))
+    def for_device(
+        cls, schedule: DraftSchedule, device_type: str, num_threads: int = 2
+    ) -> DraftLengthChooser:
+        """`num_threads`: the CPU's torch threads (the step costs' prior depends on them)."""
+        return cls(schedule, StepCostModel(CostPrior.for_device(device_type, num_threads)))
 
     @property
     def prior_alpha(self) -> float:

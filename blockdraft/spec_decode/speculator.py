@@ -34,5 +34,7 @@ def build_speculator(
     proposer = DFlashProposer(drafter, block_size)
     # N per step: the schedule's for the batch size, or ("auto") chosen from the requests'
     # acceptance and the step costs.
-    draft_length = DraftLengthChooser.for_device(draft_schedule, device.type)
+    draft_length = DraftLengthChooser.for_device(
+        draft_schedule, device.type, torch.get_num_threads()
+    )
     return Speculator(proposer, DraftLauncher(proposer, sampling, device), draft_length)

@@ -244,3 +244,15 @@ def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
         batch = r.randint(1, 40)
         n = chooser.choose([always] * batch, batch)
         assert n == 0 if batch >= 4 else n in (0, 2)
+
+
+def test_one_cpu_thread_waits_for_a_probe_before_drafting() -> None:
+    """On one CPU thread a verify row costs a third of a decode step and the drafter half of
+    one: a fresh drafter is not trusted to pay before its steps are timed (it is probed); on
+    two threads it is drafted at once."""
+    one = [AcceptanceEstimate()]
+    for threads, drafts_at_once in ((1, False), (2, True)):
+        chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu", threads)
+        chosen = [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS + PROBE_INTERVAL - 1)]
+        after_calibration = chosen[CALIBRATION_STEPS:]
+        assert any(after_calibration) == drafts_at_once, (threads, chosen)

@@ -98,11 +98,12 @@ def test_sampling_is_lossless_with_random_n_each_step(pairs, rng) -> None:
 def test_auto_drafts_the_most_for_an_agreeing_drafter(pairs, rng, temperature: float) -> None:
     """The real chooser, one request: a drafter that agrees with the target gets the most
     drafts after the plain-decode calibration, and greedy output is the target's. (Two or more
-    requests on the CPU start at N = 0 from the cost prior and reach the most through probes.)"""
+    requests on the CPU, or one on one CPU thread, start at N = 0 from the cost prior and reach
+    the most through probes: two threads here.)"""
     target, drafter = pairs["agreeing"]
     prompts = random_prompts(target, rng, 1)
     params = SamplingParams(temperature=temperature, max_tokens=80, ignore_eos=True, seed=3)
-    llm = auto_llm(drafter, target)
+    llm = auto_llm(drafter, target, num_threads=2)
     assert llm.engine.draft_length is not None
     sd = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.engine.spec_stats
