@@ -377,7 +377,9 @@ def test_chat_prints_speed_and_acceptance(pair, monkeypatch, capsys) -> None:
     target, drafter = pair
     lines = iter(["w10 w11", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    main(["chat", "--model", str(target), "--draft", str(drafter), "--max-tokens", "8"])
+    # Two threads: on one, the step-cost prior waits for a probe, past these 8 tokens.
+    main(["chat", "--model", str(target), "--draft", str(drafter), "--max-tokens", "8",
+          "--threads", "2"])  # fmt: skip
     out = capsys.readouterr().out
     assert "tok/s, mean acceptance length" in out
 

@@ -72,12 +72,14 @@ def test_default_num_drafts_by_device(block_size: int) -> None:
 
 def test_cpu_engine_drafts_two_by_default_and_stays_lossless(pairs, rng) -> None:
     """On the CPU an unset num_speculative_tokens means at most 2 drafts a step, chosen among
-    0-2 (an explicit N is kept), and the output is the target's."""
+    0-2 (an explicit N is kept), and the output is the target's. (Two threads: on one, the
+    step-cost prior waits for probes, past these 20 tokens.)"""
     target, drafter = pairs["agreeing"]
     prompts = [random_prompt(target, n, rng) for n in (3, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+    spec = {"method": "dflash", "model": str(drafter)}
+    llm = LLM(str(target), speculative_config=spec, num_threads=2)
     assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [0, 1, 2]
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
