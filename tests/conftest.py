@@ -23,6 +23,14 @@ from sampling_checks import BASE_SEED, Ctx  # noqa: E402
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def one_thread_after_each_test() -> Iterator[None]:
+    """A test that starts an engine on more threads (`num_threads=2`) leaves the process on
+    them: the tests after it go back to one."""
+    yield
+    torch.set_num_threads(1)
+
+
 @pytest.fixture
 def rng() -> torch.Generator:
     """Fresh randomness per run; the seed is printed so a failure can be replayed."""
