@@ -20,6 +20,27 @@ __all__ = ["recurrent_gated_delta_rule_pool_torch", "triton_recurrent_gated_delt
 
 
 @triton.jit
+def _delta_step(
+    state,  # [BK, BV] float32
+    q,  # [BK] float32, not yet normalised
+    k,  # [BK]
+    v,  # [BV] float32
+    decay,
+    beta,
+    scale,
+    eps,
+):
+    """One token of the gated delta rule on a state slice: (new state, output [BV])."""
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    state = state * decay
+    predicted = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state recalls for k
+    delta = (v - predicted) * beta
+    state = state + k[:, None] * delta[None, :]
+    return state, tl.sum(state * q[:, None], axis=0)
+
+
+@triton.jit
 def _gated_delta_rule_recurrent_kernel(
     q_ptr,  # [S, T, Hk, Dk] contiguous
     k_ptr,  # [S, T, Hk, Dk] contiguous
@@ -65,16 +86,10 @@ def _gated_delta_rule_recurrent_kernel(
         qk_offs = (row * Hk + k_head) * Dk + offs_k
         q = tl.load(q_ptr + qk_offs, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + qk_offs, mask=mask_k, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
         v = tl.load(v_ptr + (row * Hv + head) * Dv + offs_v, mask=mask_v, other=0.0)
         decay = tl.exp(tl.load(g_ptr + row * Hv + head).to(tl.float32))
         beta = tl.load(beta_ptr + row * Hv + head).to(tl.float32)
-        new = state * decay
-        predicted = tl.sum(new * k[:, None], axis=0)  # [BV]: what the state recalls for k
-        delta = (v.to(tl.float32) - predicted) * beta
-        new = new + k[:, None] * delta[None, :]
-        out = tl.sum(new * q[:, None], axis=0)
+        new, out = _delta_step(state, q, k, v.to(tl.float32), decay, beta, scale, eps)
         tl.store(out_ptr + (row * Hv + head) * Dv + offs_v, out, mask=mask_v)
         state = tl.where(t < length, new, state)
     if tl.load(write_ptr + seq) != 0:

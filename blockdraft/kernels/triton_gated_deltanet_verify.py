@@ -33,6 +33,7 @@ from blockdraft.kernels.gated_deltanet_verify import (
     gated_deltanet_verify_torch,
 )
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from blockdraft.kernels.triton_gated_delta_rule import _delta_step
 
 __all__ = [
     "gated_deltanet_commit_torch",
@@ -86,27 +87,6 @@ def _stash_row(
     x = tl.load(qkv_row_ptr + ch, mask=mask, other=0.0)
     tl.store(stash_qkv_ptr + ch, x.to(stash_qkv_ptr.dtype.element_ty), mask=mask)
     tl.store(stash_mixed_ptr + ch, mixed.to(stash_mixed_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _delta_step(
-    state,  # [BK, BV] float32
-    q,  # [BK] float32, not yet normalised
-    k,  # [BK]
-    v,  # [BV] float32
-    decay,
-    beta,
-    scale,
-    eps,
-):
-    """One token of the gated delta rule on a state slice: (new state, output [BV])."""
-    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) * scale
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-    state = state * decay
-    predicted = tl.sum(state * k[:, None], axis=0)  # [BV]: what the state recalls for k
-    delta = (v - predicted) * beta
-    state = state + k[:, None] * delta[None, :]
-    return state, tl.sum(state * q[:, None], axis=0)
 
 
 @triton.jit

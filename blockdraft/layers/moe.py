@@ -10,8 +10,8 @@ Under tensor parallelism each rank holds a contiguous range of the experts (`num
 divisible by the ranks) and the router whole: every rank routes every token alike, runs its own
 experts on the slots routed to them (the others keep their place with id -1, which the kernels
 skip, so shapes stay fixed: no host sync, CUDA-graph safe) and the ranks' partial sums meet in
-one all-reduce, which also sums the shared
-expert's (split like the dense MLP, its intermediate features over the ranks)."""
+one all-reduce, which also sums the shared expert's (split like the dense MLP, its intermediate
+features over the ranks)."""
 
 from __future__ import annotations
 
