@@ -217,8 +217,8 @@ ABLATION = [
     ("DFlash", "SiLU·mul prologue <= 16 rows", dict(silu_mul_prologue_max_rows=16), ""),
     (
         "DFlash",
-        "Gated DeltaNet verify and commit one kernel each (hybrid targets)",
-        dict(fuse_gated_deltanet_verify=True),
+        "Gated DeltaNet verify and commit by the layer's torch steps (hybrid targets)",
+        dict(fuse_gated_deltanet_verify=False),
         "",
     ),
 ]

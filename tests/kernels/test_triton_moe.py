@@ -175,10 +175,10 @@ def test_pairs_without_an_expert_add_nothing(rng, config, tokens, top_k) -> None
     x = randn(rng, tokens, HIDDEN)
     w_gate_up, w_down = expert_weights(rng, experts, torch.float32)
     weights, ids = routing(rng, tokens, experts, top_k)
-    gone = torch.rand(tokens, top_k, generator=rng) < 0.5
+    gone = (torch.rand(tokens, top_k, generator=rng) < 0.5).to(DEVICE)
     gone[0] = True  # a token all of whose experts live elsewhere
-    ids = torch.where(gone, torch.where(torch.rand(tokens, top_k, generator=rng) < 0.5, -1,
-                                        experts), ids)  # fmt: skip
+    elsewhere = torch.where(torch.rand(tokens, top_k, generator=rng) < 0.5, -1, experts)
+    ids = torch.where(gone, elsewhere.to(DEVICE), ids)
     weights[gone] = float("nan")
     got = triton_experts(x, w_gate_up, w_down, weights, ids, config)
     kept = torch.where(gone, 0.0, weights)

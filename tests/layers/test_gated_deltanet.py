@@ -104,7 +104,7 @@ def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch
     set_policy(backend="triton", fuse_gated_deltanet_verify=True)
     got = run(fused, x, *verify_block)
     fused.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
-    set_policy(backend="triton")
+    set_policy(backend="triton", fuse_gated_deltanet_verify=False)
     want = run(plain, x, *verify_block)
     plain.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
     assert calls == ["triton_gated_deltanet_verify", "triton_gated_deltanet_commit"]
