@@ -8,7 +8,9 @@ launched when it is exactly the step the scheduler would pick next whatever step
 nothing waits to be admitted, every running request is in step t and each one samples a token
 there, and none can reach max_tokens or max_model_len with that token. A request that stops
 anyway (eos, a stop token or string) or is aborted has its row of step t+1 discarded. Anything
-else drains the pipeline: the engine schedules as usual.
+else drains the pipeline: the engine schedules as usual. A speculative engine pipelines its
+steps the same way while its batch drafts nothing (`DecodeAheadHooks`): N = 0 then costs what
+plain decoding costs, host time included.
 
 Outputs, including the prefix cache's state, are those of the synchronous engine: step t+1's
 blocks are only taken where the scheduler would take them (never a block holding a cached
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 from blockdraft.engine.block_manager import BlockManager
 from blockdraft.engine.model_runner import LaunchedStep, ModelRunner, StepOutput
@@ -66,15 +69,17 @@ def plan_decode_ahead(
 
 
 def reserve_blocks(
-    block_manager: BlockManager, seqs: list[Sequence]
+    block_manager: BlockManager, seqs: list[Sequence], lookahead: int = 0
 ) -> dict[Sequence, list[int]] | None:
-    """Gives each request the block capacity for the row it decodes ahead; returns the new
-    blocks per request, or None (and nothing allocated) when that would differ from what the
-    synchronous engine does: the pool is short (the scheduler would preempt), or a block to
-    take holds a cached prefix (a request that stops at the current token would not have
-    evicted it)."""
+    """Gives each request the block capacity the scheduler would for the row it decodes ahead
+    (and the `lookahead` a speculative engine keeps past it); returns the new blocks per
+    request, or None (and nothing allocated) when that would differ from what the synchronous
+    engine does: the pool is short (the scheduler would preempt), or a block to take holds a
+    cached prefix (a request that stops at the current token would not have evicted it)."""
     block_size = block_manager.block_size
-    needs = [max(0, -(-(s.num_tokens + 1) // block_size) - len(s.block_table)) for s in seqs]
+    needs = [
+        max(0, -(-(s.num_tokens + 1 + lookahead) // block_size) - len(s.block_table)) for s in seqs
+    ]
     total = sum(needs)
     if total > block_manager.num_free_blocks:
         return None
@@ -84,7 +89,7 @@ def reserve_blocks(
     new_blocks = {}
     for seq, need in zip(seqs, needs, strict=True):
         if need:
-            allocated = block_manager.ensure_capacity(seq, seq.num_tokens + 1)
+            allocated = block_manager.ensure_capacity(seq, seq.num_tokens + 1 + lookahead)
             assert allocated, "checked above"
             new_blocks[seq] = seq.block_table[-need:]
     return new_blocks
@@ -101,21 +106,43 @@ def return_blocks_of_finished(inflight: InflightDecode, block_manager: BlockMana
             block_manager.free_blocks.move_to_end(block_id, last=False)
 
 
+class DecodeAheadHooks(Protocol):
+    """A speculative engine's say in the pipeline: it runs only the steps whose batch drafts
+    nothing (N = 0), and keeps their rows for the drafter's context."""
+
+    def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether the step after the one being read back drafts nothing (asked once a step,
+        just before it would be launched ahead)."""
+        ...
+
+    def decode_ahead_launched(self, step: LaunchedStep) -> None:
+        """The step was launched ahead, its blocks reserved."""
+        ...
+
+
 def launch_decode_ahead(
     launched: LaunchedStep,
     runner: ModelRunner,
     scheduler: Scheduler,
     block_manager: BlockManager,
     max_model_len: int,
+    hooks: DecodeAheadHooks | None = None,
 ) -> InflightDecode | None:
     """Launches the decode step after `launched`, or None (drain) when it is not known."""
     chunks = plan_decode_ahead(launched, scheduler, max_model_len)
     if chunks is None:
         return None
-    new_blocks = reserve_blocks(block_manager, [c.seq for c in chunks])
+    if hooks is not None and not hooks.allow_decode_ahead([c.seq for c in chunks]):
+        return None
+    new_blocks = reserve_blocks(
+        block_manager, [c.seq for c in chunks], scheduler.num_lookahead_tokens
+    )
     if new_blocks is None:
         return None
-    return InflightDecode(runner.launch_decode_ahead(chunks, launched), new_blocks)
+    step = runner.launch_decode_ahead(chunks, launched)
+    if hooks is not None:
+        hooks.decode_ahead_launched(step)
+    return InflightDecode(step, new_blocks)
 
 
 def live_rows(
@@ -135,10 +162,25 @@ class DecodePipeline:
     back yet (`inflight`), and reads back one step per `advance`, which the engine processes as
     any step."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, max_model_len: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        max_model_len: int,
+        hooks: DecodeAheadHooks | None = None,
+    ) -> None:
         self.runner, self.scheduler, self.max_model_len = runner, scheduler, max_model_len
         self.block_manager = scheduler.block_manager
+        self.hooks = hooks
         self.inflight: InflightDecode | None = None
+
+    def launch_ahead(self, launched: LaunchedStep) -> None:
+        """Launches the decode step after `launched` (just launched, not read back) when it is
+        known: the next `advance` reads `launched` back."""
+        self.inflight = launch_decode_ahead(
+            launched, self.runner, self.scheduler, self.block_manager, self.max_model_len,
+            self.hooks,
+        )  # fmt: skip
 
     def advance(self) -> tuple[list[ScheduledChunk], StepOutput] | None:
         """Reads back the step launched ahead last call (or launches a scheduled one), first
@@ -151,9 +193,7 @@ class DecodePipeline:
             if not chunks:
                 return None
             launched = self.runner.launch(chunks)
-        self.inflight = launch_decode_ahead(
-            launched, self.runner, self.scheduler, self.block_manager, self.max_model_len
-        )
+        self.launch_ahead(launched)
         result = self.runner.finish(launched)  # still the step's one device-to-host read
         return live_rows(launched, result)
 

@@ -38,6 +38,9 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.block_key: dict[int, tuple] = {}  # block id -> (parent hash, token ids)
         self.cached: dict[tuple, int] = {}  # (parent hash, token ids) -> block id
+        # `free` calls so far: a block freed since a count was taken may belong to another
+        # request by now (the drafter's deferred context writes watch it).
+        self.num_frees = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +123,7 @@ class BlockManager:
         seq.num_hashed_blocks, seq.last_block_hash = num_full, hash(keys[-1])
 
     def free(self, seq: Sequence) -> None:
+        self.num_frees += 1
         if self.window_pages is not None:
             self.window_pages.free(seq)
         # Release the tail first so that, among a sequence's blocks, its prefix is evicted last.

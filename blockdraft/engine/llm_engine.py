@@ -25,7 +25,7 @@ from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
 from blockdraft.sampling_params import SamplingParams
-from blockdraft.spec_decode.draft_launch import LaunchedDrafts
+from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MAX_ROWS, LaunchedDrafts
 from blockdraft.spec_decode.speculator import build_speculator
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,22 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.lookahead
         )
-        # async_decode: the decode step launched ahead and not read back yet (see async_decode).
-        self.decode_pipeline = DecodePipeline(self.runner, self.scheduler, self.max_model_len)
+        # async_decode: the decode step launched ahead and not read back yet (see async_decode);
+        # a speculative engine's steps at N = 0 too (the hooks below).
+        hooks = self if self.draft_launcher is not None else None
+        self.decode_pipeline = DecodePipeline(
+            self.runner, self.scheduler, self.max_model_len, hooks
+        )
+        # N chosen for the next step when it was asked while launching ahead; the count of
+        # freed requests' blocks the drafter's deferred context has seen.
+        self.next_num_drafts: int | None = None
+        self.frees_seen = 0
+        pages = self.block_manager.window_pages
+        if self.draft_launcher is not None and pages is not None:
+            # Deferred rows must stay inside the window until written: a page left behind it
+            # may pass to another block meanwhile.
+            if pages.window < DEFERRED_CONTEXT_MAX_ROWS + config.block_size:
+                self.draft_launcher.defer_context = False
         self.capture_time_s = self.warmup_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
@@ -155,28 +169,39 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
-        if self.config.async_decode and self.draft_launcher is None:
-            return self._async_decode_step()
+        if self.config.async_decode:
+            if self.draft_launcher is None:
+                return self._async_decode_step()
+            if self.decode_pipeline.inflight is not None:
+                return self._draft_free_step()
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        num_drafts = 0
+        num_drafts, blocks_freed = 0, False
         if self.draft_launcher is not None:
             # N for the batch the next step verifies: every request running now (those the
             # readback will finish included: any N is lossless, verify takes a prefix).
             running = self.scheduler.running
-            num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
+            num_drafts = self.next_num_drafts
+            if num_drafts is None:
+                num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
+            self.next_num_drafts = None
+            blocks_freed = self.block_manager.num_frees != self.frees_seen
+            self.frees_seen = self.block_manager.num_frees
         window_updates = self._take_window_updates()
         if self.workers is not None:
-            self.workers.send_step(chunks, num_drafts, self.requests, window_updates)
+            self.workers.send_step(chunks, num_drafts, self.requests, window_updates, blocks_freed)
         self.apply_window_updates(window_updates)
-        launched, drafts = self.launch_step(chunks, num_drafts)
+        launched, drafts = self.launch_step(chunks, num_drafts, blocks_freed)
         if self.draft_launcher is None:
             return self._process_step(chunks, self.runner.finish(launched), None)
         self.spec_stats.record_step(num_drafts)
+        if not num_drafts and self.config.async_decode:
+            self.decode_pipeline.launch_ahead(launched)
         result = self.runner.finish(launched)  # the step's one device-to-host read
         outputs = self._process_step(chunks, result, drafts)
+        self.decode_pipeline.drop_finished_rows()
         self.draft_length.record_if_uniform(chunks, num_drafts, time.perf_counter() - t0)
         return outputs
 
@@ -191,7 +216,7 @@ class LLMEngine:
             self.block_manager.window_pages.apply(*updates)
 
     def launch_step(
-        self, chunks: list[ScheduledChunk], num_drafts: int
+        self, chunks: list[ScheduledChunk], num_drafts: int, blocks_freed: bool = False
     ) -> tuple[LaunchedStep, LaunchedDrafts | None]:
         """Queues a step's device work and reads nothing back: the target forward with its
         sampling or verification, then, speculating, the drafter's work (before the
@@ -200,7 +225,8 @@ class LLMEngine:
         launched = self.runner.launch(chunks)
         if self.draft_launcher is None:
             return launched, None
-        return launched, self.draft_launcher.launch(launched.target_step(), num_drafts)
+        target = launched.target_step()
+        return launched, self.draft_launcher.launch(target, num_drafts, blocks_freed)
 
     def _process_step(
         self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None
@@ -245,6 +271,38 @@ class LLMEngine:
         return outputs
 
     # -- async decode (EngineConfig.async_decode; see blockdraft/engine/async_decode.py) -----
+    def _draft_free_step(self) -> list[RequestOutput]:
+        """A speculative engine's step while its batch drafts nothing: the decode step launched
+        ahead is read back (after the next one is launched, if it drafts nothing too)."""
+        t0 = time.perf_counter()
+        chunks, result = self.decode_pipeline.advance()
+        outputs = self._process_step(chunks, result, None)
+        self.decode_pipeline.drop_finished_rows()
+        if chunks:
+            self.spec_stats.record_step(0)
+            self.draft_length.record_if_uniform(chunks, 0, time.perf_counter() - t0)
+        return outputs
+
+    def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
+        """`DecodeAheadHooks`: the next step may be launched ahead when it drafts nothing, its
+        rows' context can wait, and no block was freed since the deferred rows were taken (the
+        synchronous step writes them first)."""
+        if not self.draft_launcher.defer_context:
+            return False
+        if self.block_manager.num_frees != self.frees_seen:
+            return False
+        self.next_num_drafts = self.draft_length.choose((s.acceptance for s in seqs), len(seqs))
+        return self.next_num_drafts == 0
+
+    def decode_ahead_launched(self, step: LaunchedStep) -> None:
+        """`DecodeAheadHooks`: keeps the step's rows for the drafter's deferred context."""
+        self.next_num_drafts = None
+        self.apply_window_updates(self._take_window_updates())
+        bs = self.config.block_size
+        positions = [c.start for c in step.chunks]
+        slots = [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in step.chunks]
+        self.draft_launcher.defer_decode_step(step.features[: len(positions)], positions, slots)
+
     def _async_decode_step(self) -> list[RequestOutput]:
         """`step` with plain decode pipelined: processes the step the pipeline reads back, then
         drops the rows of the step launched ahead that this one finished."""

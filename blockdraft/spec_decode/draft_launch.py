@@ -15,9 +15,12 @@ While the batch drafts nothing (N = 0, chosen when drafts would not pay), the co
 context K/V is deferred: their features are kept and written in one batched pass when drafting
 resumes or DEFERRED_CONTEXT_MAX_ROWS rows wait. A step at N = 0 then costs what plain decoding
 costs: the drafter's projections of one row each step are weight-bound, while a batched write
-of many rows reads the same weights once. Deferred rows are written before any later context
-write and before any drafter forward (the only reader), so the cache ends as if written at
-once, even where a finished request's freed blocks pass to another request.
+of many rows reads the same weights once. Under async decode such steps are launched one ahead
+like an engine without a drafter's (blockdraft/engine/async_decode.py), and keep their rows
+here with `defer_decode_step`. Deferred rows are written before any later context write and
+before any drafter forward (the only reader), and at the first step after blocks were freed, so
+the cache ends as if written at once: one write never holds two rows for one slot (a finished
+request's freed block passing to another request).
 """
 
 from __future__ import annotations
@@ -58,11 +61,16 @@ class TargetStep:
 
 @dataclass
 class DeferredContext:
-    """Committed rows whose drafter context K/V is not written yet."""
+    """Committed rows whose drafter context K/V is not written yet: rows of a step's context
+    inputs (positions and slots on the device, PAD where not committed), and rows of plain
+    decode steps (one a request, positions and slots known on the host)."""
 
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
     positions: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
     slots: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
+    decode_features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
+    decode_positions: list[int] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)
     num_rows: int = 0
 
     def add(self, features: torch.Tensor, inputs: DFlashInputs) -> None:
@@ -71,6 +79,29 @@ class DeferredContext:
         self.positions.append(inputs.context_positions.clone())
         self.slots.append(inputs.context_slot_mapping.clone())
         self.num_rows += features.shape[0]
+
+    def add_decode_rows(
+        self,
+        features: torch.Tensor,  # [rows, K * hidden], one row a request
+        positions: list[int],  # [rows]
+        slots: list[int],  # [rows]
+    ) -> None:
+        self.decode_features.append(features.clone())
+        self.decode_positions += positions
+        self.decode_slots += slots
+        self.num_rows += features.shape[0]
+
+    def tensors(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # features, positions, slots
+        """Every row: those of context inputs, then those of decode steps."""
+        positions, slots = list(self.positions), list(self.slots)
+        if self.decode_positions:
+            decode = int64_tensors(device, self.decode_positions, self.decode_slots)
+            positions.append(decode[0])
+            slots.append(decode[1])
+        features = torch.cat(self.features + self.decode_features)
+        return features, torch.cat(positions), torch.cat(slots)
 
 
 @dataclass
@@ -98,23 +129,35 @@ class DraftLauncher:
 
     def write_deferred(self) -> None:
         """Writes the deferred context rows in one pass (nothing when none wait)."""
-        d = self.deferred
-        if not d.num_rows:
+        if not self.deferred.num_rows:
             return
-        self.proposer.drafter.write_context(
-            torch.cat(d.features), torch.cat(d.positions), torch.cat(d.slots)
-        )
+        self.proposer.drafter.write_context(*self.deferred.tensors(self.device))
         self.deferred = DeferredContext()
 
-    def launch(self, step: TargetStep, num_drafts: int) -> LaunchedDrafts | None:
+    def defer_decode_step(
+        self,
+        features: torch.Tensor,  # [rows, K * hidden] the step's target features
+        positions: list[int],  # [rows] the position each request's row computes
+        slots: list[int],  # [rows] its KV slot
+    ) -> None:
+        """Keeps a plain decode step's rows for the deferred write (an N = 0 step launched by
+        async decode, which builds no drafter inputs)."""
+        if self.deferred.num_rows + len(positions) > DEFERRED_CONTEXT_MAX_ROWS:
+            self.write_deferred()
+        self.deferred.add_decode_rows(features, positions, slots)
+
+    def launch(
+        self, step: TargetStep, num_drafts: int, blocks_freed: bool = False
+    ) -> LaunchedDrafts | None:
         """Queues context K/V for every committed row of `step`, then N drafts for each request
         whose chunk completes; None when none does (or N = 0: the context only). Reads nothing
-        back."""
+        back. `blocks_freed`: blocks were freed since the last step (a deferred row's slot may
+        have passed to another request, whose rows must land after it)."""
         verify = set(step.verify)
         num_chunks = len(step.starts)
         rows = step.row_ends[-1]
         defer = self.defer_context and not num_drafts
-        if not defer or self.deferred.num_rows + rows > DEFERRED_CONTEXT_MAX_ROWS:
+        if not defer or blocks_freed or self.deferred.num_rows + rows > DEFERRED_CONTEXT_MAX_ROWS:
             self.write_deferred()
         proposers = [i for i, done in enumerate(step.completes) if done] if num_drafts else []
         tables = padded_block_tables(step.block_tables)

@@ -151,21 +151,45 @@ def choose_in_runs(llm: LLM, r: random.Random) -> list[int]:
     return picks
 
 
-@pytest.mark.parametrize("setup", ["plain", "preemption"])
-def test_deferred_context_equals_eager_context(pairs, rng, setup: str) -> None:
+def count_steps_launched_ahead(llm: LLM) -> list[int]:
+    """Counts the N = 0 steps the engine launches ahead (async decode); returns the count."""
+    count, launched = [0], llm.engine.decode_ahead_launched
+
+    def spy(step) -> None:
+        count[0] += 1
+        launched(step)
+
+    llm.engine.decode_ahead_launched = spy
+    return count
+
+
+# Two requests at a time in a pool that reuses the blocks of finished ones for the next.
+DEFERRED_SETUPS = {
+    **SETUPS,
+    "arrivals": dict(max_num_seqs=2, block_size=4, num_kv_blocks=30, max_model_len=80),
+}
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async-decode"])
+@pytest.mark.parametrize("setup", ["plain", "preemption", "arrivals"])
+def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined: bool) -> None:
     """The drafter context K/V that steps at N = 0 defer (written in one pass when drafting
-    resumes or the batch changes) leaves the same drafter cache and acceptance as writing it
-    at every step; the same random N sequence drives both runs."""
-    target, drafter = pairs["agreeing"]
+    resumes, the batch changes or blocks were freed), also when those steps are launched one
+    ahead (async decode), leaves the same drafter cache and acceptance as writing it at every
+    step, also where a finished request's blocks pass to the next one; the same random N
+    sequence drives both runs."""
+    target, drafter = pairs["random"]  # the agreeing drafter ignores its context
     prompts = random_prompts(target, rng, 4)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     runs = []
     for defer in (True, False):
-        llm = auto_llm(drafter, target, **SETUPS[setup])
+        llm = auto_llm(drafter, target, **DEFERRED_SETUPS[setup], async_decode=pipelined and defer)
         llm.engine.draft_launcher.defer_context = defer
         picks = choose_in_runs(llm, random.Random(seed))
+        ahead = count_steps_launched_ahead(llm)
         out = llm.generate(prompts, params, use_tqdm=False)
+        assert (ahead[0] > 0) == (pipelined and defer)
         # Rows still deferred after the last step are written by the next launch, before any
         # read of their blocks.
         llm.engine.draft_launcher.write_deferred()
@@ -177,3 +201,52 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str) -> None:
     assert accepted == eager_accepted
     for got, expected in zip(caches, eager_caches, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("setup", ["plain", "chunked-prefill", "preemption"])
+def test_steps_at_n0_launched_ahead_keep_greedy_output(pairs, rng, setup: str) -> None:
+    """Async decode in a speculative engine: its runs of N = 0 steps are launched one ahead, as
+    plain decoding's are, between steps that draft. Greedy output is the target's, with
+    requests of different lengths, one stopped by a stop token while the step after it was in
+    flight, chunked prefill and preemption; the pool is whole afterwards."""
+    target, drafter = pairs["random"]
+    prompts = random_prompts(target, rng, 5)
+    params = [
+        SamplingParams(temperature=0, max_tokens=int(m), ignore_eos=True)
+        for m in torch.randint(10, 40, (5,), generator=rng)
+    ]
+    ar_llm = LLM(str(target), **SETUPS[setup])
+    first = ar_llm.generate(prompts[:1], params[:1], use_tqdm=False)[0].outputs[0].token_ids
+    params[0].stop_token_ids = [first[7]]  # stops request 0 at that token's first occurrence
+    ar = ar_llm.generate(prompts, params, use_tqdm=False)
+    assert len(ar[0].outputs[0].token_ids) <= 8
+    llm = auto_llm(drafter, target, **SETUPS[setup], async_decode=True)
+    picks = choose_in_runs(llm, random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))))
+    ahead = count_steps_launched_ahead(llm)
+    sd = llm.generate(prompts, params, use_tqdm=False)
+    assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
+    assert [s.outputs[0].finish_reason for s in sd] == [a.outputs[0].finish_reason for a in ar]
+    assert ahead[0] > 0 and llm.engine.spec_stats.num_drafts > 0 and picks.count(0) > ahead[0]
+    engine = llm.engine
+    assert engine.decode_pipeline.inflight is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_steps_at_n0_launched_ahead_keep_the_sampled_tokens(pairs, rng) -> None:
+    """Seeded sampling, N in runs with zeros: the engine that launches its N = 0 steps ahead
+    (async decode) samples the very tokens of the one that does not, drafts included (every
+    draw is seeded by request and position), and both follow plain decoding's law."""
+    target, drafter = pairs["random"]  # its drafts (and so the residual draws) follow its context
+    prompt, num = random_prompts(target, rng, 1)[0], 600
+    kw = dict(max_num_seqs=256, max_model_len=64)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    runs = []
+    for pipelined in (False, True):
+        llm = auto_llm(drafter, target, **kw, async_decode=pipelined)
+        picks = choose_in_runs(llm, random.Random(seed))
+        ahead = count_steps_launched_ahead(llm)
+        runs.append(seeded_samples(llm, prompt, num, top_k=6, max_tokens=12))
+        assert (ahead[0] > 0) == pipelined and 0 < picks.count(0) < len(picks)
+    assert runs[0] == runs[1]
+    ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6, max_tokens=12)
+    assert_same_token_law(ar, runs[1], (3, 7, 11))
