@@ -97,18 +97,24 @@ class OpCounter(TorchDispatchMode):
                 setattr(cls, name, method)
 
 
-def count_step_ops(llm: LLM, temperature: float, steps: int) -> collections.Counter[str]:
-    """Ops per call site over `steps` decode (or speculative) steps of one request."""
+def count_step_ops(
+    llm: LLM, temperature: float, steps: int, requests: int = 1
+) -> collections.Counter[str]:
+    """Ops per call site over `steps` decode (or speculative) steps of `requests` requests."""
     engine = llm.engine
     params = SamplingParams(temperature=temperature, seed=1, max_tokens=10_000, ignore_eos=True)
-    engine.add_request("probe", list(range(5, 45)), params)
+    for i in range(requests):
+        engine.add_request(f"probe{i}", list(range(5 + i, 45)), params)
     for _ in range(4):  # prefill and a few steps first: the counted steps are steady ones
         engine.step()
     counter = OpCounter()
     with counter.graphed(), counter:
         for _ in range(steps):
             engine.step()
-    engine.abort_request("probe")
+    for i in range(requests):
+        engine.abort_request(f"probe{i}")
+    while engine.has_unfinished_requests():  # a step launched ahead
+        engine.step()
     return counter.sites
 
 
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--num-drafts", type=int, default=15)
     p.add_argument("--top", type=int, default=8, help="call sites listed per row")
+    p.add_argument("--requests", type=int, default=1, help="requests decoded together")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp())
@@ -131,9 +138,16 @@ def main(argv: list[str] | None = None) -> dict:
         "num_speculative_tokens": args.num_drafts,
         "num_speculative_tokens_by_batch": None,
     }
+    never = {**spec, "num_speculative_tokens_by_batch": {1: 0}}  # N = 0 at every step
     engines = {
         "AR": LLM(str(target), **kw),
         "DFlash": LLM(str(target), speculative_config=spec, **kw),
+        # As on a GPU: plain decode steps launched one ahead, a speculative engine's at N = 0
+        # too (its drafter's context deferred).
+        "AR, async decode": LLM(str(target), async_decode=True, **kw),
+        "DFlash N = 0, async decode": LLM(
+            str(target), speculative_config=never, async_decode=True, **kw
+        ),
     }
     for llm in engines.values():  # what a GPU engine captures at start, as CPU twins
         llm.engine.capture_graphs([1])
@@ -141,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
     table = []
     for temperature in (0.0, 1.0):
         for name, llm in engines.items():
-            sites = count_step_ops(llm, temperature, args.steps)
+            sites = count_step_ops(llm, temperature, args.steps, args.requests)
             per_step = {s: n / args.steps for s, n in sites.most_common()}
             total = sum(per_step.values())
             results["rows"].append(
@@ -151,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
             top = ", ".join(f"{s} {n:.0f}" for s, n in list(per_step.items())[: args.top])
             table.append([name, temperature, total, top])
     print_table(
-        f"eager ops per step outside the graphed forwards (tiny Qwen3, CPU, N = {args.num_drafts})",
+        f"eager ops per step outside the graphed forwards (tiny Qwen3, CPU, N = {args.num_drafts}, "
+        f"{args.requests} requests)",
         ["engine", "T", "ops/step", "top call sites (ops/step)"],
         table,
     )

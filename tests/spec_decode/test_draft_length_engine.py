@@ -238,12 +238,22 @@ def test_steps_at_n0_launched_ahead_keep_the_sampled_tokens(pairs, rng) -> None:
     draw is seeded by request and position), and both follow plain decoding's law."""
     target, drafter = pairs["random"]  # its drafts (and so the residual draws) follow its context
     prompt, num = random_prompts(target, rng, 1)[0], 600
-    kw = dict(max_num_seqs=256, max_model_len=64)
-    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    kw = dict(max_num_seqs=num, max_model_len=64)
+    # Runs of zeros long enough to launch steps ahead after the prefill (4 steps of 600
+    # prompts; a run's first decode step waits for the verify before it), between drafting
+    # steps of random N.
+    r = random.Random(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    cycle = [0] * 8 + [r.randint(1, NUM_SPEC), r.randint(1, NUM_SPEC)]
     runs = []
     for pipelined in (False, True):
         llm = auto_llm(drafter, target, **kw, async_decode=pipelined)
-        picks = choose_in_runs(llm, random.Random(seed))
+        picks: list[int] = []
+
+        def choose(estimates, batch: int, picks=picks) -> int:
+            picks.append(cycle[len(picks) % len(cycle)])
+            return picks[-1]
+
+        llm.engine.draft_length.choose = choose
         ahead = count_steps_launched_ahead(llm)
         runs.append(seeded_samples(llm, prompt, num, top_k=6, max_tokens=12))
         assert (ahead[0] > 0) == pipelined and 0 < picks.count(0) < len(picks)
