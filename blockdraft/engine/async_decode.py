@@ -132,11 +132,10 @@ def launch_decode_ahead(
     chunks = plan_decode_ahead(launched, scheduler, max_model_len)
     if chunks is None:
         return None
-    if hooks is not None and not hooks.allow_decode_ahead([c.seq for c in chunks]):
+    seqs = [c.seq for c in chunks]
+    if hooks is not None and not hooks.allow_decode_ahead(seqs):
         return None
-    new_blocks = reserve_blocks(
-        block_manager, [c.seq for c in chunks], scheduler.num_lookahead_tokens
-    )
+    new_blocks = reserve_blocks(block_manager, seqs, scheduler.num_lookahead_tokens)
     if new_blocks is None:
         return None
     step = runner.launch_decode_ahead(chunks, launched)

@@ -24,6 +24,7 @@ from blockdraft.engine.tp_workers import TensorParallelWorkers
 from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
+from blockdraft.runtime.host_batch import flat_slots
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MAX_ROWS, LaunchedDrafts
 from blockdraft.spec_decode.speculator import build_speculator
@@ -187,7 +188,7 @@ class LLMEngine:
             if num_drafts is None:
                 num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
             self.next_num_drafts = None
-            blocks_freed = self.block_manager.num_frees != self.frees_seen
+            blocks_freed = self.blocks_freed_unseen
             self.frees_seen = self.block_manager.num_frees
         window_updates = self._take_window_updates()
         if self.workers is not None:
@@ -283,13 +284,18 @@ class LLMEngine:
             self.draft_length.record_if_uniform(chunks, 0, time.perf_counter() - t0)
         return outputs
 
+    @property
+    def blocks_freed_unseen(self) -> bool:
+        """Blocks were freed since the last synchronous step wrote the deferred context."""
+        return self.block_manager.num_frees != self.frees_seen
+
     def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
         """`DecodeAheadHooks`: the next step may be launched ahead when it drafts nothing, its
         rows' context can wait, and no block was freed since the deferred rows were taken (the
         synchronous step writes them first)."""
         if not self.draft_launcher.defer_context:
             return False
-        if self.block_manager.num_frees != self.frees_seen:
+        if self.blocks_freed_unseen:
             return False
         self.next_num_drafts = self.draft_length.choose((s.acceptance for s in seqs), len(seqs))
         return self.next_num_drafts == 0
@@ -298,10 +304,11 @@ class LLMEngine:
         """`DecodeAheadHooks`: keeps the step's rows for the drafter's deferred context."""
         self.next_num_drafts = None
         self.apply_window_updates(self._take_window_updates())
-        bs = self.config.block_size
-        positions = [c.start for c in step.chunks]
-        slots = [c.seq.block_table[c.start // bs] * bs + c.start % bs for c in step.chunks]
-        self.draft_launcher.defer_decode_step(step.features[: len(positions)], positions, slots)
+        chunks = step.chunks
+        positions = [c.start for c in chunks]
+        tables = [c.seq.block_table for c in chunks]
+        slots = flat_slots(tables, positions, [1] * len(chunks), self.config.block_size)
+        self.draft_launcher.defer_decode_step(step.features[: len(chunks)], positions, slots)
 
     def _async_decode_step(self) -> list[RequestOutput]:
         """`step` with plain decode pipelined: processes the step the pipeline reads back, then
