@@ -118,5 +118,7 @@ def test_dummy_weights_with_a_reduced_vocab(pairs) -> None:
     llm = LLM(str(target), load_format="dummy", speculative_config=spec(drafter, 3))
     d = llm.engine.proposer.drafter
     assert d.lm_head.weight.shape == (len(ids), 64) and d.lm_head is not llm.engine.model.lm_head
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    # ignore_eos: the dummy weights are random, so a greedy token can be eos (CI stopped at one).
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
