@@ -48,7 +48,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens",
         type=_positive_int,
         default=None,
-        help="draft tokens per step (unset: the drafter's block size - 1 on a GPU, at most 2 "
+        help="draft tokens per step (unset: the drafter's block size - 1 on a GPU, at most 3 "
         "on the CPU); without --draft it applies to the default target's shipped drafter",
     )
     p.add_argument(

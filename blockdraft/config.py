@@ -38,7 +38,7 @@ def default_kernel_policy() -> KernelPolicy:
 class SpeculativeConfig:
     model: str  # drafter directory or .gguf; "default": the drafter shipped for the default target
     method: str = "dflash"
-    # default: the drafter's block_size - 1; at most 2 on the CPU (draft_schedule.py says why)
+    # default: the drafter's block_size - 1; at most 3 on the CPU (draft_schedule.py says why)
     num_speculative_tokens: int | None = None
     # Draft tokens per step by batch size, {at least this many running requests: N}, e.g.
     # {1: 15, 24: 7}; below the smallest key N is num_speculative_tokens; N = 0: no drafts.

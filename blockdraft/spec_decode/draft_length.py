@@ -26,9 +26,8 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
   unpredictable pays ever less for probes), and returns to PROBE_INTERVAL when it rose (a
   request becoming predictable needs a few probes to lift its estimate) or once drafting pays
-  again; after a probe that found nothing it is never shorter than what keeps probes within
-  PROBE_BUDGET of plain decoding's time (where a probe step costs two decode steps, as on the
-  CPU, probes every 8 steps alone cost 12%).
+  again; either way it is never shorter than what keeps the probes' expected loss (their cost
+  in decode steps less the tokens they commit) within PROBE_BUDGET of plain decoding's time.
 
 Everything here runs on the host each step over plain floats: no tensor, no device sync.
 The choice lags the readback by one step (drafts are proposed before the step's tokens are
@@ -66,18 +65,19 @@ CALIBRATION_STEPS = 4
 RECALIBRATE_INTERVAL = 256
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
-# Once a probe has found nothing, later ones may cost at most this share of plain decoding's time:
-# the interval is at least (cost of the probe step / a decode step - 1) / PROBE_BUDGET (on 2
-# CPU cores a probe costs ~2 decode steps: ~50 steps apart; on an H200 ~1.2: 10 apart).
+# Probes may lose at most this share of plain decoding's time: the interval is at least (cost of
+# the probe step / a decode step - its expected tokens) / PROBE_BUDGET (a probe costing ~1.4
+# decode steps that commits 1.4 tokens loses nothing; one of 2 steps that commits 1.0 is kept
+# 50 steps apart).
 PROBE_BUDGET = 0.02
 
 
 @dataclass(frozen=True)
 class CostPrior:
     """cost(b, N) / decode(b) before any step is timed: 1 + drafter_overhead * (N > 0) +
-    per_row * b * N. On the CPU every verify row costs compute (SmolLM2-135M on 2 cores: N = 1 /
-    2 / 15 ran at 1.42 / 1.66 / 4.95 decode steps with its drafter; on one thread N = 1 / 2 at
-    1.9 / 2.25, where a decode step's GEMVs read the weights at one core's bandwidth and the
+    per_row * b * N. On the CPU every verify row costs compute (SmolLM2-135M with its drafter at
+    batch 1: N = 1 / 3 / 7 ran at 1.21 / 1.16 / 1.60 decode steps on 2 cores, 1.42 / 1.38 / 2.08
+    on one thread, where a decode step's GEMVs read the weights at one core's bandwidth and the
     drafter's small operations gain nothing from a second core); on an H200 the verify rows
     are nearly free at small batches (Qwen3-8B: a 16-row DFlash step 1.42 decode steps at batch
     1, ~3.4 at 32 requests). A prior that flatters drafting costs the first steps of every
@@ -91,8 +91,8 @@ class CostPrior:
         if device_type == "cuda":
             return cls(drafter_overhead=0.35, per_row=0.005)
         if num_threads == 1:
-            return cls(drafter_overhead=0.55, per_row=0.35)
-        return cls(drafter_overhead=0.2, per_row=0.25)
+            return cls(drafter_overhead=0.3, per_row=0.11)
+        return cls(drafter_overhead=0.1, per_row=0.07)
 
     def __call__(self, batch: int, num_drafts: int) -> float:
         if not num_drafts:

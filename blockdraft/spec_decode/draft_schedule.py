@@ -32,12 +32,12 @@ AUTO_NUM_DRAFTS = 7
 # decoding, with none at 0.93 / 0.92x (the drafter's context upkeep; BENCHMARKS.md).
 AUTO_CPU_STOP_BATCH = 4
 # num_speculative_tokens left unset on the CPU: at most this many. There every verify row
-# costs compute (a 16-row verify + draft of SmolLM2-135M is ~20x the FLOPs of a decode step),
-# so only the first drafts, the likeliest to be accepted, pay for their rows: with the shipped
-# drafter on 2 cores, N = 1 / 2 / 3 / 5 / 15 gave 1.23 / 1.39 / 1.14 / 1.05 / 0.80x plain
-# decoding on GSM8K (BENCHMARKS.md). On a GPU the verify rows are nearly free at small
-# batches: the whole block.
-CPU_DEFAULT_NUM_DRAFTS = 2
+# costs compute, so only the first drafts, the likeliest to be accepted, pay for their rows: with
+# the shipped drafter on 2 cores, fixed N = 2 / 3 / 4 gave 1.44 / 1.65 / 1.60x plain decoding on
+# GSM8K, 1.37 / 1.65 / 1.55x on HumanEval (a step of 1 + 3 rows costs ~1.2 decode steps there,
+# four rows being the BLAS's cheapest few-row product; N = 7 1.6). On a GPU the verify rows
+# are nearly free at small batches: the whole block.
+CPU_DEFAULT_NUM_DRAFTS = 3
 
 
 def default_num_drafts(block_size: int, device_type: str) -> int:

@@ -249,13 +249,18 @@ def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
         assert n == 0 if batch >= 4 else n in (0, 2)
 
 
-def test_one_cpu_thread_waits_for_a_probe_before_drafting() -> None:
-    """On one CPU thread a verify row costs a third of a decode step and the drafter half of
-    one: a fresh drafter is not trusted to pay before its steps are timed (it is probed); on
-    two threads it is drafted at once."""
+def test_fresh_drafter_is_drafted_once_decode_is_timed() -> None:
+    """Before any drafting step is timed, the prior prices verify rows (dearer on one CPU thread
+    than on two, and a row on the CPU dearer than on a GPU): at a fresh drafter's alpha (0.6)
+    drafting pays on each, so the first step after decode's calibration drafts, at the N that
+    maximises expected tokens per prior cost."""
     one = [AcceptanceEstimate()]
-    for threads, drafts_at_once in ((1, False), (2, True)):
-        chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu", threads)
-        chosen = [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS + PROBE_INTERVAL - 1)]
-        after_calibration = chosen[CALIBRATION_STEPS:]
-        assert any(after_calibration) == drafts_at_once, (threads, chosen)
+    one_thread, two, cuda = (CostPrior.for_device(*d) for d in (("cpu", 1), ("cpu", 2), ("cuda",)))
+    assert one_thread.per_row > two.per_row > cuda.per_row
+    assert all(one_thread(1, n) > two(1, n) for n in range(1, NUM_SPEC + 1))
+    for device, threads in (("cpu", 1), ("cpu", 2), ("cuda", 2)):
+        chooser = DraftLengthChooser.for_device(adaptive_schedule(), device, threads)
+        chosen = [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS + 1)]
+        prior = chooser.costs.prior
+        best = max(range(NUM_SPEC + 1), key=lambda n: expected_tokens(0.6, n) / prior(1, n))
+        assert chosen == [0] * CALIBRATION_STEPS + [best] and best > 0, (device, threads, chosen)

@@ -55,10 +55,10 @@ def test_bad_schedules_name_the_problem(by_batch, message: str) -> None:
 
 
 def test_schedule_beyond_the_drafters_block_fails_at_load(pairs) -> None:
-    """Without num_speculative_tokens, N defaults to the drafter's block_size - 1 (at most 2 on
+    """Without num_speculative_tokens, N defaults to the drafter's block_size - 1 (at most 3 on
     the CPU): the schedule is checked against it once the drafter's config is read."""
     target, drafter = pairs["random"]
-    with pytest.raises(ValueError, match=r"\[4\] = 16 exceeds num_speculative_tokens \(2\)"):
+    with pytest.raises(ValueError, match=r"\[4\] = 16 exceeds num_speculative_tokens \(3\)"):
         LLM(str(target), speculative_config=scheduled(drafter, {4: 16}, n=None))
     with pytest.raises(ValueError, match=r"\[4\] = 16 exceeds num_speculative_tokens \(15\)"):
         LLM(str(target), speculative_config=scheduled(drafter, {4: 16}, n=15))
@@ -67,23 +67,22 @@ def test_schedule_beyond_the_drafters_block_fails_at_load(pairs) -> None:
 @pytest.mark.parametrize("block_size", [2, 3, 8, 16])
 def test_default_num_drafts_by_device(block_size: int) -> None:
     assert default_num_drafts(block_size, "cuda") == block_size - 1
-    assert default_num_drafts(block_size, "cpu") == min(block_size - 1, 2)
+    assert default_num_drafts(block_size, "cpu") == min(block_size - 1, 3)
 
 
-def test_cpu_engine_drafts_two_by_default_and_stays_lossless(pairs, rng) -> None:
-    """On the CPU an unset num_speculative_tokens means at most 2 drafts a step, chosen among
-    0-2 (an explicit N is kept), and the output is the target's. (Two threads: on one, the
-    step-cost prior waits for probes, past these 20 tokens.)"""
+def test_cpu_engine_drafts_three_by_default_and_stays_lossless(pairs, rng) -> None:
+    """On the CPU an unset num_speculative_tokens means at most 3 drafts a step, chosen among
+    0-3 (an explicit N is kept), and the output is the target's."""
     target, drafter = pairs["agreeing"]
     prompts = [random_prompt(target, n, rng) for n in (3, 9)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
     spec = {"method": "dflash", "model": str(drafter)}
     llm = LLM(str(target), speculative_config=spec, num_threads=2)
-    assert llm.engine.num_spec == 2 and llm.engine.draft_schedule.all_num_drafts == [0, 1, 2]
+    assert llm.engine.num_spec == 3 and llm.engine.draft_schedule.all_num_drafts == [0, 1, 2, 3]
     out = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ar]
-    assert max(k for o in out for k in o.spec_accept_lengths) == 3  # 2 drafts + the target's
+    assert max(k for o in out for k in o.spec_accept_lengths) == 4  # 3 drafts + the target's
     explicit = LLM(str(target), speculative_config=scheduled(drafter, None, n=15))
     assert explicit.engine.num_spec == 15
 
