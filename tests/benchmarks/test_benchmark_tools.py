@@ -353,3 +353,18 @@ def test_hybrid_moe_shape_bytes_count_the_active_weights_and_states() -> None:
     expected = 2 * active + 2 * 4 * state
     assert abs(shape.bytes_per_token(shape.config) - expected) < 1e-4 * expected
     assert 2.5e9 < active + cfg.vocab_size * cfg.hidden_size < 3.5e9
+
+
+def test_cpu_gemm_bench_times_both_products_over_a_forward(tmp_path, capsys) -> None:
+    from benchmarks import cpu_gemm_bench
+    from benchmarks.common import SMOLLM2_135M
+
+    weights = cpu_gemm_bench.forward_weights(SMOLLM2_135M)
+    assert len(weights) == 4 * SMOLLM2_135M["num_hidden_layers"] + 1
+    assert weights[-1].shape == (SMOLLM2_135M["vocab_size"], SMOLLM2_135M["hidden_size"])
+    results = cpu_gemm_bench.main(
+        ["--rows", "1", "3", "--reps", "1", "--json", str(tmp_path / "g.json")]
+    )
+    assert [r["rows"] for r in results] == [1, 3]
+    assert all(r["f_linear_ms"] > 0 and r["linear_ms"] > 0 for r in results)
+    assert "F.linear / ours" in capsys.readouterr().out and (tmp_path / "g.json").exists()
