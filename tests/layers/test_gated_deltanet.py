@@ -60,6 +60,14 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     plain.load_state_dict(fused.state_dict())
     for name in ("conv_state", "recurrent_state"):
         getattr(plain, name).copy_(getattr(fused, name))
+    # In bf16 both paths round (and the interpreter truncates casts), and a gated RMSNorm before
+    # out_proj can blow one step's rounding up: each is held to a float32 run of the same layer,
+    # the fused one within a few times the step path's error (its casts truncate under the
+    # interpreter: 1.2-3.3x seen); a wrong operand is an order of magnitude off.
+    reference = tiny_layer(rng, torch.float32)
+    reference.load_state_dict(fused.state_dict())
+    for name in ("conv_state", "recurrent_state"):
+        getattr(reference, name).copy_(getattr(fused, name))
     slots = [3, 0, -1]
     for step in range(2):
         x = torch.randn(3, 32, generator=rng).to(DEVICE, dtype)
@@ -68,7 +76,13 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
         got = run(fused, x, slots, starts, [1, 1, 1], [False] * 3)
         set_policy(backend="triton", fuse_gated_deltanet_decode=False)
         want = run(plain, x, slots, starts, [1, 1, 1], [False] * 3)
-        assert_near(got[[0, 1]], want[[0, 1]], dtype, bf16_max=1.0, bf16_mean=0.015)
+        exact = run(reference, x.float(), slots, starts, [1, 1, 1], [False] * 3)[[0, 1]]
+        if dtype == torch.float32:
+            assert_near(got[[0, 1]], want[[0, 1]], dtype, bf16_max=1.0, bf16_mean=0.015)
+        else:
+            fused_err, step_err = ((y[[0, 1]].float() - exact).abs() for y in (got, want))
+            assert fused_err.mean() <= 3 * step_err.mean() + 0.01, (fused_err, step_err)
+            assert fused_err.max() <= 3 * step_err.max() + 0.05, (fused_err, step_err)
         real = [3, 0]
         assert torch.equal(fused.conv_state[real], plain.conv_state[real])
         assert_near(fused.recurrent_state[real], plain.recurrent_state[real], dtype, 0.1, 0.002)
