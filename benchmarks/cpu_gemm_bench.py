@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,7 +33,12 @@ def forward_weights(cfg: dict) -> list[torch.Tensor]:
     return [torch.randn(n, k) for n, k in shapes]
 
 
-def time_forward(fn, weights: list[torch.Tensor], rows: int, reps: int) -> float:
+def time_forward(
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    weights: list[torch.Tensor],
+    rows: int,
+    reps: int,
+) -> float:
     """Median seconds over `reps` passes of `fn(x, w)` over every weight."""
     inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
     times = []

@@ -238,7 +238,7 @@ class DraftLengthChooser:
             counts[b] = counts.get(b, 0) + 1
         best, best_rate = 0, 0.0
         for n in allowed:
-            tokens = sum(c * self.expected[b][n] for b, c in counts.items())
+            tokens = self._batch_tokens(counts, n)
             # Drafting must beat plain decoding by a margin: step costs are measured, and
             # noise alone must not keep a batch drafting when nothing is accepted.
             rate = tokens / self.costs.cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
@@ -260,14 +260,18 @@ class DraftLengthChooser:
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
         return probe
 
+    def _batch_tokens(self, counts: dict[int, int], num_drafts: int) -> float:
+        """Tokens the batch's next verify commits on average at N drafts; `counts`: requests
+        by alpha bin."""
+        return sum(c * self.expected[b][num_drafts] for b, c in counts.items())
+
     def _probe_floor(self, counts: dict[int, int], batch: int, probe: int) -> int:
         """The fewest steps between probes that keeps their expected loss within PROBE_BUDGET
         of plain decoding's time: a probe costs cost(b, N) / cost(b, 0) decode steps and
-        commits the tokens of E(alpha, N) of them, at the batch's current estimates. A probe
-        whose acceptance lifted the estimates probes again soon only where probes cost
-        little: with a rise in the estimates alone, a drafter at alpha ~0.45 on one CPU thread
-        probed every 8 steps at half a decode step lost each time (6% of the time)."""
-        tokens = sum(c * self.expected[b][probe] for b, c in counts.items()) / batch
+        commits E(alpha, N) tokens a request at the batch's current estimates. It holds after a
+        probe that lifted the estimates too: a lift that leaves drafting far from paying is no
+        reason to pay for probes every PROBE_INTERVAL steps."""
+        tokens = self._batch_tokens(counts, probe) / batch
         loss = self.costs.cost(batch, probe) / self.costs.cost(batch, 0) - tokens
         return math.ceil(max(loss, 0.0) / PROBE_BUDGET)
 

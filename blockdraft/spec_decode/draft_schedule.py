@@ -28,8 +28,8 @@ AUTO_MIN_BATCH = 24
 AUTO_NUM_DRAFTS = 7
 # "auto" on the CPU: from this many running requests on, no drafts (N = 0). There a batch of a
 # few requests already keeps the cores busy, so verify rows only add compute: at a steady batch
-# of 4 / 16 open-chat requests the shipped drafter with 2 drafts a step ran at 0.67 / 0.66x plain
-# decoding, with none at 0.93 / 0.92x (the drafter's context upkeep; BENCHMARKS.md).
+# of 4 / 16 open-chat requests the shipped drafter with 3 drafts a step ran at 0.56 / 0.47x plain
+# decoding on two threads, with none at 1.05 / 1.00x (BENCHMARKS.md).
 AUTO_CPU_STOP_BATCH = 4
 # num_speculative_tokens left unset on the CPU: at most this many. There every verify row
 # costs compute, so only the first drafts, the likeliest to be accepted, pay for their rows: with
