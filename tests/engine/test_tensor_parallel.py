@@ -142,19 +142,24 @@ def test_moe_outputs_equal_one_process(moe_models, rng, size: int, speculate: bo
 def test_killed_worker_makes_the_engine_raise(models) -> None:
     llm = LLM(str(models["qwen3"]), speculative_config=None, tensor_parallel_size=2, num_threads=1)
     engine = llm.engine
-    engine.add_request("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=50))
-    engine.step()
-    engine.step()
-    (pid,) = engine.workers.pids
-    os.kill(pid, signal.SIGKILL)
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"worker rank 1 \\(pid {pid}, exit code -9\\) has died"):
-        while time.monotonic() - t0 < 30:
-            engine.step()
-    assert time.monotonic() - t0 < 5
-    with pytest.raises(RuntimeError, match="the engine stopped"):  # and stays stopped
+    try:
+        # ignore_eos: a random model can end the request by EOS, after which a step sends nothing.
+        params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        engine.add_request("a", [5, 6, 7], params)
         engine.step()
-    llm.shutdown()
+        engine.step()
+        (pid,) = engine.workers.pids
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        died = f"worker rank 1 \\(pid {pid}, exit code -9\\) has died"
+        with pytest.raises(RuntimeError, match=died):
+            while time.monotonic() - t0 < 30:
+                engine.step()
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(RuntimeError, match="the engine stopped"):  # and stays stopped
+            engine.step()
+    finally:  # a failure here must not leave the group to the tests after it
+        llm.shutdown()
     assert not dist.is_initialized()
 
 
