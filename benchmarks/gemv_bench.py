@@ -42,6 +42,13 @@ SHAPES = {
     "down": (4096, 12288, NUM_LAYERS),
     "lm_head": (151936, 4096, 1),
 }
+# Not in the default sweep: a DFlash2 drafter's extra projections at Qwen3-8B width (z-lab's
+# conv kernel 2, groups of 16: 2 x 2 x 256 outputs, two a layer over 5 layers; the selector's
+# rank-256 hidden projection), few output rows each, so split-K decides their speed.
+EXTRA_SHAPES = {
+    "dflash2_kernel": (1024, 4096, 10),
+    "dflash2_selector": (256, 4096, 1),
+}
 ROTATE_BYTES = 256 * 1024**2  # weight copies cycled per timing: well past the 50 MB L2
 MAX_REL_ERR = 1e-2  # bf16 output rounding is ~4e-3 of the largest value
 
@@ -74,7 +81,16 @@ DOT = [
     (128, 128, 8, 3),
 ]
 # (block_n, block_k, num_warps, num_stages, split_k), tried where N / block_n is few programs.
-SPLIT = [(16, 512, 4, 3, 2), (32, 256, 4, 3, 2), (32, 256, 4, 4, 2), (64, 256, 4, 3, 4)]
+SPLIT = [
+    (16, 512, 4, 3, 2),
+    (32, 256, 4, 3, 2),
+    (32, 256, 4, 4, 2),
+    (64, 256, 4, 3, 4),
+    (16, 256, 4, 3, 4),
+    (16, 256, 4, 3, 8),
+    (32, 256, 4, 3, 8),
+    (16, 128, 4, 4, 16),
+]
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list:
@@ -162,7 +178,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20, help="calls per timed graph")
     parser.add_argument("--reps", type=int, default=3, help="timed replays per config")
     parser.add_argument("--m", default="1,2,4,8,16", help="row counts, comma-separated")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="subset of " + ",".join(SHAPES))
+    parser.add_argument(
+        "--shapes",
+        default=",".join(SHAPES),
+        help="comma-separated, of " + ",".join([*SHAPES, *EXTRA_SHAPES]),
+    )
     parser.add_argument(
         "--prologue",
         action="store_true",
@@ -178,7 +198,11 @@ def main() -> None:
     t_start = time.perf_counter()
     torch.manual_seed(0)
     ms = [int(v) for v in args.m.split(",")]
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    known = {**SHAPES, **EXTRA_SHAPES}
+    unknown = sorted(set(args.shapes.split(",")) - set(known))
+    if unknown:
+        sys.exit(f"unknown --shapes {', '.join(unknown)}: choose from {', '.join(known)}")
+    shapes = {name: known[name] for name in args.shapes.split(",")}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     copy_bw = copy_bandwidth()
     print(f"{hardware()}, {sms} SMs; copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")

@@ -9,6 +9,10 @@ sizes, and with `--profile` splits the batch-1 steps into GPU busy time, launche
 kernels and graph replays, counted on the host) and the host's own time by Python function.
 
     python benchmarks/small_steps.py [--steps 50] [--num-drafts 15 7 3] [--profile] [--json F]
+
+`--num-drafts 0` adds a speculative engine that never drafts (`num_speculative_tokens_by_batch`
+{1: 0}): its steps are plain decode steps plus whatever keeping a drafter costs, so it should
+cost what AR does. `--profile-batch B` profiles the steps of B requests instead of one.
 """
 
 from __future__ import annotations
@@ -81,14 +85,14 @@ def step_ms(
 
 
 def profile_step(
-    llm: LLM, prompt: list[int], steps: int, top: int, temperature: float = 0.0
+    llm: LLM, prompt: list[int], steps: int, top: int, temperature: float = 0.0, batch: int = 1
 ) -> dict:
-    """GPU busy ms, launches per step (eager kernels, graph replays), the host's top Python
-    functions by own time and blockdraft's functions by cumulative time, over `steps` batch-1
-    steps."""
+    """GPU busy ms, launches per step (eager kernels, graph replays, copies, syncs), the host's
+    top Python functions by own time and blockdraft's functions by cumulative time, over `steps`
+    steps of `batch` requests."""
     from torch.profiler import ProfilerActivity, profile
 
-    start_requests(llm, prompt, 1, temperature, warm_steps=5)
+    start_requests(llm, prompt, batch, temperature, warm_steps=5)
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
@@ -104,7 +108,7 @@ def profile_step(
         llm.engine.step()
     profiler.disable()
     wall_ms = (now() - t0) * 1e3 / steps
-    stop_requests(llm, 1)
+    stop_requests(llm, batch)
     stats = pstats.Stats(profiler)
     own = sorted(
         ((v[2], f"{Path(k[0]).stem}:{k[2]}") for k, v in stats.stats.items()), reverse=True
@@ -118,6 +122,7 @@ def profile_step(
         "kernel_launches": count.get("cudaLaunchKernel", 0) / steps,
         "graph_launches": count.get("cudaGraphLaunch", 0) / steps,
         "memcpys": (count.get("cudaMemcpyAsync", 0)) / steps,
+        "syncs": sum(n for k, n in count.items() if "Synchronize" in k) / steps,
         "wall_ms_under_cprofile": wall_ms,
         "host_top": [(name, t * 1e3 / steps) for t, name in own[:top]],
         "blockdraft_cumulative": [(name, t * 1e3 / steps) for t, name in ours[: 2 * top]],
@@ -133,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--accept", type=float, default=0.55, help="synthetic acceptance rate")
     p.add_argument("--temperature", type=float, default=0.0, help="requests' temperature (seeded)")
     p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--profile", action="store_true", help="split the batch-1 steps")
+    p.add_argument("--profile", action="store_true", help="split the steps of --profile-batch")
+    p.add_argument("--profile-batch", type=int, default=1)
     p.add_argument("--top", type=int, default=12, help="host functions listed")
     p.add_argument("--device", default="auto")
     p.add_argument("--target-config", default=None, help="JSON config (default: SmolLM2-135M)")
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         spec = {
             "method": "dflash",
             "model": str(drafter),
-            "num_speculative_tokens": n,
-            "num_speculative_tokens_by_batch": None,
+            "num_speculative_tokens": n or 15,
+            "num_speculative_tokens_by_batch": {1: 0} if n == 0 else None,
             "synthetic_acceptance_rate": args.accept,
         }
         engines.append(("DFlash", n, {"speculative_config": spec}))  # fmt: skip
@@ -167,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     log = TritonCompileLog()
     for name, n, extra in engines:
         llm = LLM(str(target), **kw, **extra)
-        label = name if not n else f"{name} N={n}"
+        label = f"{name} N={n}" if extra else name
         for batch in args.batches:
             times, tokens = step_ms(
                 llm, prompt, batch, args.steps, args.passes, log, label, args.temperature
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
             table.append([label, batch, times[0], ms, ratio, tokens, tokens / ratio])
         if args.profile:
             results["profiles"][label] = profile_step(
-                llm, prompt, args.steps, args.top, args.temperature
+                llm, prompt, args.steps, args.top, args.temperature, args.profile_batch
             )
         del llm
         gc.collect()
@@ -197,8 +203,8 @@ def main(argv: list[str] | None = None) -> dict:
             torch.cuda.empty_cache()
     for label, prof in results["profiles"].items():
         print_table(
-            f"{label}, batch 1: host time by function (ms per step; own, and blockdraft's with "
-            "callees)",
+            f"{label}, batch {args.profile_batch}: host time by function (ms per step; own, "
+            "and blockdraft's with callees)",
             ["function", "own ms", "blockdraft function", "cumulative ms"],
             [[*a, *b] for a, b in zip(prof["host_top"], prof["blockdraft_cumulative"],
                                       strict=False)],
@@ -214,11 +220,11 @@ def main(argv: list[str] | None = None) -> dict:
         )  # fmt: skip
     if results["profiles"]:
         print_table(
-            "batch-1 step split (per step)",
-            ["engine", "GPU busy ms", "kernel launches", "graph launches", "memcpys",
+            f"batch-{args.profile_batch} step split (per step)",
+            ["engine", "GPU busy ms", "kernel launches", "graph launches", "memcpys", "syncs",
              "wall ms (cProfile on)"],
             [[label, p["gpu_busy_ms"], p["kernel_launches"], p["graph_launches"], p["memcpys"],
-              p["wall_ms_under_cprofile"]] for label, p in results["profiles"].items()],
+              p["syncs"], p["wall_ms_under_cprofile"]] for label, p in results["profiles"].items()],
         )  # fmt: skip
     print_table(
         f"step cost, {results['hardware']} (synthetic acceptance {args.accept}, "

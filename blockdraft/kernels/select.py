@@ -3,12 +3,12 @@
 The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current_kernel_policy`)
 decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
 store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
-preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, the
-gated delta rule's recurrence (hybrid models' linear attention), and the sampler's hashed
-uniforms and exponential race: "auto" is Triton on CUDA when it imports, torch otherwise;
-"torch" / "triton" force one. Triton on a CPU tensor only runs under its interpreter, which reads
-TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton kernels
-lazily, on the first call that wants them.
+preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution and
+candidate walk, the gated delta rule's recurrence (hybrid models' linear attention), and the
+sampler's hashed uniforms and exponential race: "auto" is Triton on CUDA when it imports, torch
+otherwise; "torch" / "triton" force one. Triton on a CPU tensor only runs under its interpreter,
+which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton
+kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
@@ -56,6 +57,7 @@ GatedDeltaFn = Callable[..., torch.Tensor]
 GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
 GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
+CandidateWalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 Fn = TypeVar("Fn")
 
@@ -278,3 +280,14 @@ def get_dynamic_conv_backend(device: torch.device | str | None = None) -> Dynami
 
         return triton_dynamic_conv.triton_grouped_dynamic_causal_conv
     return grouped_dynamic_causal_conv_torch
+
+
+def get_candidate_walk_backend(device: torch.device | str | None = None) -> CandidateWalkFn:
+    """`fn(projected, unary, candidates, anchors, predecessor_codebook, successor_codebook,
+    temperature, seed, position, salt) -> (tokens, q)`, DFlash2's candidate scores and path
+    walk (`blockdraft.kernels.candidate_walk`); same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_candidate_walk
+
+        return triton_candidate_walk.triton_candidate_walk
+    return candidate_walk_torch

@@ -55,14 +55,19 @@ def _mix32(x):  # int64 holding values in [0, 2**32); same steps as sampling._mi
 
 
 @triton.jit
-def _row_hash(seed_ptr, position_ptr, row, h_salt):
+def _seed_position_hash(seed, pos, h_salt):  # int64 scalars
     # h_salt: the row init with both salt words absorbed (sampling.salted_row_init)
-    seed = tl.load(seed_ptr + row).to(tl.int64)
-    pos = tl.load(position_ptr + row).to(tl.int64)
     h = _mix32(h_salt.to(tl.int64) ^ (seed & MASK32))
     h = _mix32(h ^ ((seed >> 32) & MASK32))  # arithmetic shift; seeds are >= 0
     h = _mix32(h ^ (pos & MASK32))
     return _mix32(h ^ ((pos >> 32) & MASK32))
+
+
+@triton.jit
+def _row_hash(seed_ptr, position_ptr, row, h_salt):
+    seed = tl.load(seed_ptr + row).to(tl.int64)
+    pos = tl.load(position_ptr + row).to(tl.int64)
+    return _seed_position_hash(seed, pos, h_salt)
 
 
 @triton.jit

@@ -9,8 +9,8 @@ The selector re-scores position i's top-K candidates given the token drafted at 
 anchor for i = 0): `score[k] = logit[k] + <pred[prev] * proj(h_i), succ[cand_k]>` with two
 token codebooks of rank r and a projection of the drafter's hidden state. `transition_scores`
 gives the scores for every candidate predecessor at once; the path walk that picks one
-candidate per position (greedy, or sampled with its own proposal probabilities) lives in
-`blockdraft.spec_decode.candidate_selection`.
+candidate per position (greedy, or sampled with its own proposal probabilities) is
+`blockdraft.kernels.candidate_walk`'s, called from `blockdraft.spec_decode.candidate_selection`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from blockdraft.kernels.candidate_walk import pair_scores
 from blockdraft.kernels.forward_context import get_attention_metadata
 from blockdraft.layers.dynamic_conv import GroupedDynamicCausalConv
 from blockdraft.layers.linear import linear
@@ -118,10 +119,13 @@ class CandidateSelector(nn.Module):
     ) -> torch.Tensor:  # [..., P, K] float32
         """scores[..., p, k]: candidate k after predecessor p, `unary[k] + <pred[p] * proj(h),
         succ[candidate k]>`. Inference and training both score through here."""
-        projected = linear(hidden, self.hidden_projection.weight, None).float()  # [..., r]
-        successor = self.successor_codebook(candidates).float() * projected[..., None, :]
-        predecessor = self.predecessor_codebook(predecessors).float()  # [..., P, r]
-        return unary[..., None, :] + predecessor @ successor.transpose(-1, -2)
+        projected = linear(hidden, self.hidden_projection.weight, None)  # [..., r]
+        return pair_scores(
+            projected,
+            unary,
+            self.successor_codebook(candidates),
+            self.predecessor_codebook(predecessors),
+        )
 
     def transition_scores(
         self,

@@ -9,6 +9,7 @@ per program.
 import pytest
 
 from blockdraft.kernels import select
+from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rope import (
@@ -21,6 +22,7 @@ from blockdraft.kernels.triton_activation import triton_silu_mul
 from blockdraft.kernels.triton_attention import (
     triton_paged_attention,
 )
+from blockdraft.kernels.triton_candidate_walk import triton_candidate_walk
 from blockdraft.kernels.triton_dflash_inputs import prepare_dflash_inputs
 from blockdraft.kernels.triton_kv_store import triton_store_kv
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm
@@ -46,6 +48,7 @@ def test_backend_selection(monkeypatch, set_policy) -> None:
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs_torch
     assert select.get_hashed_uniform_backend(DEVICE) is hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is exponential_race_torch
+    assert select.get_candidate_walk_backend(DEVICE) is candidate_walk_torch
     set_policy(backend="triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
@@ -56,6 +59,7 @@ def test_backend_selection(monkeypatch, set_policy) -> None:
     assert select.get_dflash_inputs_backend(DEVICE) is prepare_dflash_inputs
     assert select.get_hashed_uniform_backend(DEVICE) is triton_hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is triton_exponential_race
+    assert select.get_candidate_walk_backend(DEVICE) is triton_candidate_walk
     set_policy(backend="auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected

@@ -1,4 +1,5 @@
-"""`blockdraft.spec_decode.candidate_selection`: the DFlash2 path walk. Greedy: the reference's
+"""`blockdraft.kernels.candidate_walk` (through `spec_decode.candidate_selection`): the DFlash2
+path walk. Greedy: the reference's
 position-by-position argmax given the previous pick. Sampled: the joint law of the path is the
 product of each position's softmax given the previous pick, and q is that softmax.
 
@@ -11,7 +12,9 @@ import itertools
 import numpy as np
 import torch
 
-from blockdraft.spec_decode.candidate_selection import dense_draft_probs, walk_candidates
+from blockdraft.kernels import candidate_walk
+from blockdraft.spec_decode.candidate_selection import dense_draft_probs
+from blockdraft.spec_decode.rejection_sampler import SALT_DRAFT
 
 from sampling_checks import ALPHA, MAX_SEED, Ctx, chi2_pvalue
 
@@ -20,6 +23,10 @@ def _scores(gen: torch.Generator, r: int, n: int, k: int, scale: float = 1.5) ->
     scores = torch.randn(r, n, k, k, generator=gen) * scale
     scores[:, 0] = scores[:, 0, :1]  # position 0 follows the anchor: its rows are equal
     return scores
+
+
+def walk_candidates(scores, temperature, seed, position):
+    return candidate_walk.walk_candidates(scores, temperature, seed, position, SALT_DRAFT)
 
 
 def _reference_walk(scores: torch.Tensor) -> list[list[int]]:  # greedy, one step at a time
