@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="top kernels at the smallest batch, T=0")
+    p.add_argument("--top", type=int, default=10, help="kernels listed by --profile")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
                 )
         if args.profile and device.type == "cuda":
             batch = min(args.batches)
-            profiled += profile_step(proposer, name, batch, num_drafts, args.context_len)
+            profiled += profile_step(proposer, name, batch, num_drafts, args.context_len, args.top)
         del proposer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
 
 
 def profile_step(
-    proposer: DFlashProposer, name: str, batch: int, num_drafts: int, context_len: int
+    proposer: DFlashProposer, name: str, batch: int, num_drafts: int, context_len: int, top: int
 ) -> list[list[object]]:
     """The top kernels of the drafter step at `batch` (its graph captured already), T = 0."""
     from torch.profiler import ProfilerActivity, profile
@@ -224,8 +225,8 @@ def profile_step(
     calls = steps + 3  # step_ms's warm-up calls too
     kernels = device_kernels(prof)
     total = sum(k.self_device_time_total for k in kernels) / 1e3 / calls
-    top = [[name, k.key[:70], k.self_device_time_total / 1e3 / calls] for k in kernels[:10]]
-    return [[name, "all kernels", total], *top]
+    listed = [[name, k.key[:70], k.self_device_time_total / 1e3 / calls] for k in kernels[:top]]
+    return [[name, "all kernels", total], *listed]
 
 
 if __name__ == "__main__":

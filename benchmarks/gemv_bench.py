@@ -42,12 +42,16 @@ SHAPES = {
     "down": (4096, 12288, NUM_LAYERS),
     "lm_head": (151936, 4096, 1),
 }
-# Not in the default sweep: a DFlash2 drafter's extra projections at Qwen3-8B width (z-lab's
-# conv kernel 2, groups of 16: 2 x 2 x 256 outputs, two a layer over 5 layers; the selector's
-# rank-256 hidden projection), few output rows each, so split-K decides their speed.
+# Not in the default sweep: shapes with few output rows, where split-K decides the speed
+# (triton_linear.pick_config splits them when untabulated): a DFlash2 drafter's extra
+# projections at Qwen3-8B width (z-lab's conv kernel 2, groups of 16: 2 x 2 x 256 outputs, two
+# a layer over 5 layers; the selector's rank-256 hidden projection), and the 30B-A3B / 35B-A3B
+# MoE targets' o_proj (4096 -> 2048) and shared expert down projection (512 -> 2048).
 EXTRA_SHAPES = {
     "dflash2_kernel": (1024, 4096, 10),
     "dflash2_selector": (256, 4096, 1),
+    "a3b_o": (2048, 4096, 48),
+    "a3b_shared_down": (2048, 512, 40),
 }
 ROTATE_BYTES = 256 * 1024**2  # weight copies cycled per timing: well past the 50 MB L2
 MAX_REL_ERR = 1e-2  # bf16 output rounding is ~4e-3 of the largest value
@@ -97,6 +101,8 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:
     from blockdraft.kernels.triton_linear import SkinnyConfig, m_bucket, pick_config
 
     configs = [pick_config(m, n, k)]  # the current default first
+    if configs[0].split_k > 1:
+        configs.append(configs[0]._replace(split_k=1))  # and unsplit
     if m <= 4:
         bucket = m_bucket(m)
         for bn, bk, warps, stages in BROADCAST:
@@ -193,7 +199,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gemv_bench.py times CUDA kernels and needs a CUDA GPU; none is visible.")
 
-    from blockdraft.kernels.triton_linear import skinny_linear, skinny_linear_torch
+    from blockdraft.kernels.triton_linear import SkinnyConfig, skinny_linear, skinny_linear_torch
 
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -260,10 +266,20 @@ def main() -> None:
             timed = [r for r in entry["configs"] if "us" in r]
             entry["best"] = min(timed, key=lambda r: r["us"]) if timed else None
             entry["default"] = entry["configs"][0]
+            unsplit = entry["configs"][1] if entry["default"]["config"]["split_k"] > 1 else None
+            if unsplit is not None and "tbs" in unsplit:
+                print(f"  {name} M={m} default unsplit: {unsplit['tbs']:.2f} TB/s")
             results.append(entry)
             best = entry["best"]
+            default = entry["default"]
             print(
-                f"{name:>8} M={m:<2} cuBLAS {entry['cublas_tbs']:.2f} TB/s, best Triton "
+                f"{name:>8} M={m:<2} cuBLAS {entry['cublas_tbs']:.2f} TB/s, default "
+                + (
+                    f"{default['tbs']:.2f} TB/s {short(SkinnyConfig(**default['config']))}, "
+                    if "tbs" in default
+                    else "failed, "
+                )
+                + "best Triton "
                 + (f"{best['tbs']:.2f} TB/s {best['repr']}" if best else "none")
                 + f"  [{time.perf_counter() - t_start:.0f}s]"
             )

@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", default=None)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (unset: the default)")
     args = ap.parse_args(argv)
-    if min(args.batches) < 1 or args.stop_batch < 2 or args.repeats < 1:
-        raise SystemExit("batches and repeats must be >= 1, --stop-batch >= 2")
+    if min(args.batches) < 1 or args.stop_batch < 1 or args.repeats < 1:
+        raise SystemExit("batches, --stop-batch and repeats must be >= 1")
     model = {"model": args.model} if args.model else {}
     spec = {"method": "dflash", "model": args.draft}
     every = {**spec, "num_speculative_tokens_by_batch": None}

@@ -119,9 +119,19 @@ def m_bucket(m: int) -> int:
     return min(triton.next_power_of_2(max(m, 1)), 16)
 
 
+# An untabulated weight of at least SPLIT_MIN_ELEMENTS whose rows give its nearest config fewer
+# than half of FILL_PROGRAMS programs (~ one per SM of an H200) is split along K until they fill
+# the GPU: a DFlash2 drafter's kernel projection (4096 -> 1024) ran on 32 programs, ~5x slower
+# than its bytes allow. Smaller weights are latency-bound and would only pay the reduce launch.
+FILL_PROGRAMS = 128
+SPLIT_MIN_ELEMENTS = 1 << 20
+MAX_SPLIT_K = 16
+
+
 def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
     """The tabulated config for (M bucket, N, K), else that of the nearest tabulated shape of
-    the same M bucket, with BLOCK_K and SPLIT_K cut down to what a short K can use."""
+    the same M bucket, with BLOCK_K and SPLIT_K cut down to what a short K can use, and SPLIT_K
+    raised where few rows of a large weight would leave SMs idle."""
     bucket = m_bucket(m)
     cfg = DEFAULT_CONFIGS.get((bucket, n, k))
     if cfg is not None:
@@ -136,6 +146,14 @@ def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
     cfg = DEFAULT_CONFIGS[min(same, key=distance)]
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
+    programs = triton.cdiv(n, cfg.block_n)
+    if n * k >= SPLIT_MIN_ELEMENTS and programs * split_k * 2 <= FILL_PROGRAMS:
+        while (
+            split_k < MAX_SPLIT_K
+            and programs * split_k * 2 <= FILL_PROGRAMS
+            and k >= block_k * split_k * 2
+        ):
+            split_k *= 2
     return cfg._replace(block_k=block_k, split_k=split_k)
 
 

@@ -24,6 +24,7 @@ from blockdraft.kernels import select  # noqa: E402
 from blockdraft.kernels.linear import skinny_linear_torch  # noqa: E402
 from blockdraft.kernels.triton_linear import (  # noqa: E402
     DEFAULT_CONFIGS,
+    FILL_PROGRAMS,
     SkinnyConfig,
     pick_config,
     skinny_linear,
@@ -125,6 +126,24 @@ def test_pick_config() -> None:
     cfg = pick_config(3, 37, 72)  # an untabulated shape: blocks cut down to its short K
     assert cfg.block_k <= 128 and cfg.split_k <= math.ceil(72 / cfg.block_k)
     assert pick_config(3, 4096, 4096) == DEFAULT_CONFIGS[(4, 4096, 4096)]
+
+
+def test_pick_config_splits_few_rows_of_a_large_weight(rng) -> None:
+    """Untabulated weights of >= 1M elements whose nearest config leaves most SMs idle are
+    split along K until about FILL_PROGRAMS programs run; smaller ones, and shapes with
+    programs enough, keep their nearest config's split."""
+    for n, k in ((1024, 4096), (256, 4096), (512, 2048)):
+        cfg = pick_config(16, n, k)
+        programs = -(-n // cfg.block_n)
+        assert FILL_PROGRAMS // 2 < programs * cfg.split_k <= FILL_PROGRAMS, (n, k, cfg)
+        assert k >= cfg.block_k * cfg.split_k
+    x, w, b = inputs(rng, 16, 256, 4096, torch.float16, bias=True, strided=True)
+    assert pick_config(16, 256, 4096).split_k == 16
+    check(skinny_linear(x, w, b), x, w, b)  # the picked split, run
+    small = pick_config(16, 576, 576)  # SmolLM2-135M: latency-bound, no reduce launch
+    assert small.split_k == 1
+    wide = pick_config(16, 14336, 4096)  # rows enough
+    assert wide.split_k == DEFAULT_CONFIGS[(16, 24576, 4096)].split_k == 1
 
 
 def test_skinny_linear_empty_and_leading_dims(rng) -> None:
