@@ -3,12 +3,12 @@
 The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current_kernel_policy`)
 decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
 store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
-preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution and
-candidate walk, the gated delta rule's recurrence (hybrid models' linear attention), and the
-sampler's hashed uniforms and exponential race: "auto" is Triton on CUDA when it imports, torch
-otherwise; "torch" / "triton" force one. Triton on a CPU tensor only runs under its interpreter,
-which reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton
-kernels lazily, on the first call that wants them.
+preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, top-K
+and candidate walk, the gated delta rule's recurrence (hybrid models' linear attention), and
+the sampler's hashed uniforms and exponential race: "auto" is Triton on CUDA when it imports,
+torch otherwise; "torch" / "triton" force one. Triton on a CPU tensor only runs under its
+interpreter, which reads TRITON_INTERPRET=1 when triton is first imported: so this module
+imports the Triton kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -41,6 +41,7 @@ from blockdraft.kernels.rope import (
     silu_mul_torch,
 )
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform
+from blockdraft.kernels.top_k import top_k_torch
 from blockdraft.kernels.triton_env import triton_available, triton_interpreting
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -58,6 +59,7 @@ GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
 GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
 CandidateWalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+TopKFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 Fn = TypeVar("Fn")
 
@@ -291,3 +293,13 @@ def get_candidate_walk_backend(device: torch.device | str | None = None) -> Cand
 
         return triton_candidate_walk.triton_candidate_walk
     return candidate_walk_torch
+
+
+def get_top_k_backend(device: torch.device | str | None = None) -> TopKFn:
+    """`fn(x, k) -> (values, columns)`, each row's k largest, largest first
+    (`blockdraft.kernels.top_k`; the kernel breaks ties by the lowest column); same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_top_k
+
+        return triton_top_k.triton_top_k
+    return top_k_torch

@@ -1,8 +1,8 @@
 """DFlash2 drafting: the path through each block's top-K candidates, picked position by position
 given the token drafted before (greedy: the best-scoring candidate; sampled: a draw from the
 softmax of the scores at the request's temperature, whose probabilities are the proposal q the
-rejection sampler needs). The scores and the walk are `blockdraft.kernels.candidate_walk`'s
-(one Triton pair of launches on the GPU).
+rejection sampler needs). The top-K, the scores and the walk are `blockdraft.kernels`' (two
+pairs of Triton launches on the GPU).
 
 Fixed shapes and no host reads, so it runs inside the drafter's CUDA graph.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.kernels.select import get_candidate_walk_backend
+from blockdraft.kernels.select import get_candidate_walk_backend, get_top_k_backend
 from blockdraft.layers.linear import linear
 from blockdraft.models.dflash2_drafter import DFlash2Drafter
 from blockdraft.spec_decode.rejection_sampler import SALT_DRAFT
@@ -31,7 +31,7 @@ def select_drafts(
     blocks = hidden.view(num_reqs, q_len, -1)[:, 1:]
     logits = drafter.compute_logits(blocks.flatten(0, 1)).view(num_reqs, q_len - 1, -1)
     selector = drafter.candidate_selector
-    unary, candidates = selector.top_candidates(logits)
+    unary, candidates = get_top_k_backend(hidden.device)(logits, selector.top_k)
     projected = linear(blocks, selector.hidden_projection.weight, None)  # [R, N, r]
     walk = get_candidate_walk_backend(hidden.device)
     tokens, q = walk(

@@ -18,6 +18,7 @@ from blockdraft.kernels.rope import (
     silu_mul_torch,
 )
 from blockdraft.kernels.sampling import exponential_race_torch, hashed_uniform
+from blockdraft.kernels.top_k import top_k_torch
 from blockdraft.kernels.triton_activation import triton_silu_mul
 from blockdraft.kernels.triton_attention import (
     triton_paged_attention,
@@ -28,6 +29,7 @@ from blockdraft.kernels.triton_kv_store import triton_store_kv
 from blockdraft.kernels.triton_rmsnorm import rms_norm_torch, triton_rms_norm
 from blockdraft.kernels.triton_rope import triton_qk_norm_rope, triton_qk_norm_rope_store
 from blockdraft.kernels.triton_sampling import triton_exponential_race, triton_hashed_uniform
+from blockdraft.kernels.triton_top_k import triton_top_k
 
 from kernel_inputs import (
     DEVICE,
@@ -49,6 +51,7 @@ def test_backend_selection(monkeypatch, set_policy) -> None:
     assert select.get_hashed_uniform_backend(DEVICE) is hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is exponential_race_torch
     assert select.get_candidate_walk_backend(DEVICE) is candidate_walk_torch
+    assert select.get_top_k_backend(DEVICE) is top_k_torch
     set_policy(backend="triton")
     assert select.get_attention_backend(DEVICE) is triton_paged_attention
     assert select.get_store_kv_backend(DEVICE) is triton_store_kv
@@ -60,6 +63,7 @@ def test_backend_selection(monkeypatch, set_policy) -> None:
     assert select.get_hashed_uniform_backend(DEVICE) is triton_hashed_uniform
     assert select.get_exponential_race_backend(DEVICE) is triton_exponential_race
     assert select.get_candidate_walk_backend(DEVICE) is triton_candidate_walk
+    assert select.get_top_k_backend(DEVICE) is triton_top_k
     set_policy(backend="auto")
     expected = triton_paged_attention if DEVICE.type == "cuda" else paged_attention
     assert select.get_attention_backend(DEVICE) is expected

@@ -1,0 +1,118 @@
+"""Top-K of each row of a wide matrix (a drafter's logits over the vocabulary) in two launches.
+
+The specification is `torch.topk(x, k, dim=-1)` (sorted, largest first); here ties go to the
+lowest column, which torch leaves unspecified, so on tied values the two may pick different
+columns of equal value. DFlash2's candidate selector takes K ~16 of ~150k logits for each draft
+position: torch's radix select costs ~40 us there, several passes over [R, V].
+
+`_top_k_chunk_kernel`, one program per (row, chunk of BLOCK_V columns), takes its chunk's K
+best by K rounds of (max, lowest column holding it); `_top_k_merge_kernel`, one program per
+row, takes the K best of the chunks' candidates the same way. Every round picks the largest
+value left and, among equal values, the lowest column, so the row's top K under that order are
+among the chunks' (each chunk keeps its own top K under the same order).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockdraft.kernels.triton_sampling import BIG_INDEX
+
+CHUNK = 4096  # columns per first-pass program
+
+
+@triton.jit
+def _take_top(vals, cols, alive, k, BLOCK_K: tl.constexpr):
+    # vals [B] float32, cols [B] int64, alive [B] bool -> ([BLOCK_K] values, [BLOCK_K] columns)
+    ks = tl.arange(0, BLOCK_K)
+    top_v = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
+    top_i = tl.full([BLOCK_K], BIG_INDEX, dtype=tl.int64)
+    for t in range(k):
+        best = tl.max(tl.where(alive, vals, float("-inf")), axis=0)
+        col = tl.min(tl.where(alive & (vals == best), cols, BIG_INDEX), axis=0)
+        top_v = tl.where(ks == t, best, top_v)
+        top_i = tl.where(ks == t, col, top_i)
+        alive = alive & (cols != col)
+    return top_v, top_i
+
+
+@triton.jit
+def _top_k_chunk_kernel(
+    x_ptr,  # [R, V], unit column stride
+    vals_ptr,  # [R, num_chunks * k] float32 out
+    cols_ptr,  # [R, num_chunks * k] int64 out
+    stride_x,
+    vocab,
+    k,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
+    alive = cols < vocab
+    vals = tl.load(x_ptr + row * stride_x + cols, mask=alive, other=float("-inf")).to(tl.float32)
+    top_v, top_i = _take_top(vals, cols, alive, k, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    out = row * tl.num_programs(1) * k + chunk * k + ks
+    tl.store(vals_ptr + out, top_v, mask=ks < k)
+    tl.store(cols_ptr + out, top_i, mask=ks < k)
+
+
+@triton.jit
+def _top_k_merge_kernel(
+    vals_ptr,  # [R, width] float32
+    cols_ptr,  # [R, width] int64
+    out_vals_ptr,  # [R, k] float32
+    out_cols_ptr,  # [R, k] int64
+    width,
+    k,
+    BLOCK_W: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_W)
+    ok = offs < width
+    vals = tl.load(vals_ptr + row * width + offs, mask=ok, other=float("-inf"))
+    cols = tl.load(cols_ptr + row * width + offs, mask=ok, other=BIG_INDEX)
+    # A chunk shorter than k filled its tail with column BIG_INDEX: never taken while a real
+    # column is left, which vocab >= k guarantees.
+    top_v, top_i = _take_top(vals, cols, ok & (cols < BIG_INDEX), k, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    tl.store(out_vals_ptr + row * k + ks, top_v, mask=ks < k)
+    tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
+
+
+def triton_top_k(
+    x: torch.Tensor,  # [..., V]
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
+    """The k largest values of each row, largest first (ties: lowest column first)."""
+    vocab = x.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n:
+        block_v = min(CHUNK, triton.next_power_of_2(vocab))
+        chunks = triton.cdiv(vocab, block_v)
+        block_k = triton.next_power_of_2(k)
+        vals = torch.empty(n, chunks * k, dtype=torch.float32, device=x.device)
+        cols = torch.empty(n, chunks * k, dtype=torch.int64, device=x.device)
+        _top_k_chunk_kernel[(n, chunks)](
+            rows, vals, cols, rows.stride(0), vocab, k, BLOCK_V=block_v, BLOCK_K=block_k,
+            num_warps=max(1, min(8, block_v // 256)),
+        )  # fmt: skip
+        width = chunks * k
+        _top_k_merge_kernel[(n,)](
+            vals, cols, out_vals, out_cols, width, k,
+            BLOCK_W=triton.next_power_of_2(width), BLOCK_K=block_k, num_warps=4,
+        )  # fmt: skip
+    return out_vals.view(*lead, k), out_cols.view(*lead, k)
