@@ -6,7 +6,8 @@ and CUDA graphs.
 
 - CUDA graphs: a Qwen3.5 (Gated DeltaNet + gated attention) target with and without its
   DFlash drafter (sliding-window layers: their own pages), a Qwen3.5-MoE with one, and a dense
-  Qwen3 with its drafter, give the same tokens with graphs as eager;
+  Qwen3 with its DFlash and its DFlash2 drafter (z-lab's classes: needs the `dflash` package),
+  give the same tokens with graphs as eager;
 - tensor parallel (when --tp > 1 GPUs are visible): dense Qwen3 (with and without DFlash),
   Qwen3-MoE and Qwen3.5 give at TP N the tokens of one GPU, greedy and seeded-sampled.
 Prints one line per check and exits 1 when one differs.
@@ -32,6 +33,7 @@ from checkpoints import (  # noqa: E402
     make_qwen3_checkpoint,
     make_qwen3_moe_checkpoint,
 )
+from dflash2_checkpoints import make_dflash2_drafter  # noqa: E402
 
 VOCAB = 150
 
@@ -97,6 +99,7 @@ def main() -> None:
         ("hybrid + DFlash", hybrid, drafters["hybrid"]),
         ("hybrid MoE + DFlash", hybrid_moe, drafters["hybrid_moe"]),
         ("qwen3 + DFlash", qwen3, drafters["qwen3"]),
+        ("qwen3 + DFlash2", qwen3, make_dflash2_drafter(root / "d2_qwen3", qwen3)),
     ]
     for name, target, drafter in graph_cases:
         eager = generate(target, drafter, prompts, enforce_eager=True)

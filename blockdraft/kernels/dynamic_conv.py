@@ -4,13 +4,16 @@ Output row t of a block is `sum_o (base[o] + dynamic[t, o, g]) * x[t - o]` over 
 o = 0 .. kernel_size - 1, where g is the group of the channel (`hidden / groups` channels each)
 and rows before the block's first are zero. Rows are flat `[num_blocks * block_len, hidden]`,
 each block its own sequence: nothing crosses a block boundary. `triton_dynamic_conv` computes
-the same in one launch.
+the same in one launch, and `conv_rms_norm_torch` (the convolution closing a sub-block, then the
+next residual add + RMSNorm) in one launch too.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from blockdraft.kernels.rmsnorm import rms_norm_torch
 
 
 def grouped_dynamic_causal_conv_torch(
@@ -29,3 +32,18 @@ def grouped_dynamic_causal_conv_torch(
     weight = base.to(x.dtype).flip(0).t().reshape(1, groups, hidden // groups, kernel_size)
     weight = weight + dynamic.flip(1).transpose(1, 2)[:, :, None, :]
     return (windows * weight).sum(-1).view(rows, hidden)
+
+
+def conv_rms_norm_torch(
+    x: torch.Tensor,  # [num_blocks * block_len, hidden]
+    dynamic: torch.Tensor,  # [num_blocks * block_len, kernel_size, groups]
+    base: torch.Tensor,  # [kernel_size, hidden]
+    block_len: int,
+    norm_weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor,  # [num_blocks * block_len, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed, the new residual stream
+    """`rms_norm_torch(conv(x) , norm_weight, eps, residual)`: the convolution's output (in x's
+    dtype) added to the residual stream and normalised."""
+    out = grouped_dynamic_causal_conv_torch(x, dynamic, base, block_len)
+    return rms_norm_torch(out, norm_weight, eps, residual)

@@ -28,7 +28,7 @@ import torch
 
 from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
-from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
+from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch, grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.gated_delta_rule import recurrent_gated_delta_rule_pool_torch
 from blockdraft.kernels.linear import skinny_linear_torch
@@ -59,6 +59,7 @@ GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
 GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
 CandidateWalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ConvNormFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 TopKFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 Fn = TypeVar("Fn")
@@ -303,3 +304,14 @@ def get_top_k_backend(device: torch.device | str | None = None) -> TopKFn:
 
         return triton_top_k.triton_top_k
     return top_k_torch
+
+
+def get_conv_rms_norm_backend(device: torch.device | str | None = None) -> ConvNormFn:
+    """`fn(x, dynamic, base, block_len, norm_weight, eps, residual) -> (normed, residual)`,
+    DFlash2's closing convolution with the residual add + RMSNorm after it
+    (`blockdraft.kernels.dynamic_conv.conv_rms_norm_torch`); same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_dynamic_conv
+
+        return triton_dynamic_conv.triton_conv_rms_norm
+    return conv_rms_norm_torch

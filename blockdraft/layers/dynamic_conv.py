@@ -6,7 +6,8 @@ twin: `blockdraft.kernels.dynamic_conv`). The convolution kernel has a static pe
 (`base_kernel`) and a dynamic per-group part that row t predicts from its own input
 (`kernel_projection`; channels come in groups of `group_size`). A layer applies one pair
 around a sub-block: `prepare` convolves its input with the first kernel and predicts the
-second, `finish` convolves the sub-block's output with that second kernel.
+second, `finish` convolves the sub-block's output with that second kernel (`finish_norm`: and
+the residual add + RMSNorm that follows, in one kernel on the GPU).
 
 Rows are flat `[num_blocks * block_len, hidden]`, each block its own sequence: the
 convolution never reaches across a block boundary, so batched requests stay independent.
@@ -18,8 +19,14 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
-from blockdraft.kernels.select import PerDevice, get_dynamic_conv_backend, needs_autograd
+from blockdraft.kernels.select import (
+    PerDevice,
+    get_conv_rms_norm_backend,
+    get_dynamic_conv_backend,
+    needs_autograd,
+)
 from blockdraft.layers.linear import linear
+from blockdraft.layers.norm import RMSNorm
 
 
 class GroupedDynamicCausalConv(nn.Module):
@@ -34,6 +41,7 @@ class GroupedDynamicCausalConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self._backend = PerDevice(get_dynamic_conv_backend)  # Triton on CUDA, else torch
+        self._norm_backend = PerDevice(get_conv_rms_norm_backend)
 
     def _conv(
         self,
@@ -63,3 +71,22 @@ class GroupedDynamicCausalConv(nn.Module):
         block_len: int,
     ) -> torch.Tensor:  # [rows, hidden]
         return self._conv(x, dynamic, self.base_kernel[1], block_len)
+
+    def finish_norm(
+        self,
+        x: torch.Tensor,  # [rows, hidden]
+        dynamic: torch.Tensor,  # [rows, kernel_size, groups] from prepare
+        block_len: int,
+        norm: nn.Module,  # the norm after the sub-block
+        residual: torch.Tensor,  # [rows, hidden], the residual stream
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(finish(x) + residual), the new stream
+        base = self.base_kernel[1]
+        fused = (
+            isinstance(norm, RMSNorm)
+            and residual.dtype == x.dtype
+            and not needs_autograd(x, dynamic, base, norm.weight, residual)
+        )
+        if not fused:
+            return norm(self.finish(x, dynamic, block_len), residual)
+        kernel = self._norm_backend(x.device)
+        return kernel(x, dynamic, base, block_len, norm.weight, norm.eps, residual)

@@ -16,7 +16,7 @@ candidate per position (greedy, or sampled with its own proposal probabilities) 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -25,7 +25,6 @@ from blockdraft.kernels.candidate_walk import pair_scores
 from blockdraft.kernels.forward_context import get_attention_metadata
 from blockdraft.layers.dynamic_conv import GroupedDynamicCausalConv
 from blockdraft.layers.linear import linear
-from blockdraft.layers.norm import final_norm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLayer, DecoderLM
@@ -78,20 +77,40 @@ class DFlash2DecoderLayer(DecoderLayer):
 
     def forward(
         self,
-        x: torch.Tensor,  # [rows, hidden], blocks of block_len rows
+        x: torch.Tensor,  # [rows, hidden], blocks of block_len rows; the stream (first layer)
         positions: torch.Tensor,  # [rows] int64
         residual: torch.Tensor | None,  # [rows, hidden]; None: x is the stream
         block_len: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), unsummed
-        if residual is None:
+        before: PendingConv | None = None,  # the previous layer's MLP output, unconvolved
+    ) -> tuple[PendingConv, torch.Tensor]:  # (MLP output before its convolution, stream)
+        """A layer whose closing convolutions run with the norm after them: the attention's
+        with the post-attention norm here, the MLP's with the next layer's input norm (or the
+        final norm), passed on as a `PendingConv`."""
+        if before is not None:
+            h, residual = before.finish_norm(self.input_layernorm, residual, block_len)
+        elif residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
         h, kernel = self.attention_conv.prepare(h, block_len)
-        h = self.attention_conv.finish(self.self_attn(h, positions), kernel, block_len)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.attention_conv.finish_norm(
+            self.self_attn(h, positions), kernel, block_len, self.post_attention_layernorm, residual
+        )
         h, kernel = self.mlp_conv.prepare(h, block_len)
-        return self.mlp_conv.finish(self.mlp(h), kernel, block_len), residual
+        return PendingConv(self.mlp_conv, self.mlp(h), kernel), residual
+
+
+class PendingConv(NamedTuple):
+    """A sub-block's output whose closing convolution runs with the norm that follows it."""
+
+    conv: GroupedDynamicCausalConv
+    x: torch.Tensor  # [rows, hidden]
+    dynamic: torch.Tensor  # [rows, kernel_size, groups]
+
+    def finish_norm(
+        self, norm: nn.Module, residual: torch.Tensor, block_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # norm(conv(x) + residual), the new stream
+        return self.conv.finish_norm(self.x, self.dynamic, block_len, norm, residual)
 
 
 class CandidateSelector(nn.Module):
@@ -184,7 +203,7 @@ class DFlash2Drafter(DFlashDrafter):
         x = self.embed_tokens(input_ids)
         if self.cfg.input_embedding_scale != 1.0:
             x = x * self.cfg.input_embedding_scale
-        residual = None
+        residual, pending = None, None
         for layer in self.layers:
-            x, residual = layer(x, positions, residual, block_len)
-        return final_norm(self.norm, x, residual)
+            pending, residual = layer(x, positions, residual, block_len, pending)
+        return pending.finish_norm(self.norm, residual, block_len)[0]

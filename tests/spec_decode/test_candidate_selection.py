@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 import torch
 
 from blockdraft.kernels import candidate_walk
@@ -156,3 +157,47 @@ def test_graphed_selection_equals_eager(tmp_path, rng) -> None:
     assert torch.allclose(got_probs.sum(-1), torch.ones(batch, n))
     assert torch.equal(got_probs[0], torch.nn.functional.one_hot(got_tokens[0], 256).float())
     assert (got_probs.gather(2, got_tokens[..., None]) > 0).all()
+
+
+@torch.inference_mode()
+def test_triton_drafting_path_equals_torch(tmp_path, rng, set_policy) -> None:
+    """A DFlash2 drafter step with every kernel of the GPU path (the fused closing convolution
+    + norm, top-K, candidate walk; Triton's interpreter on the CPU) proposes the tokens and q
+    of the torch path, greedy and sampled requests in one batch."""
+    from benchmarks.common import write_dummy_drafter
+    from benchmarks.drafter_step_bench import TINY, TINY_DFLASH2, build_proposer
+    from blockdraft.layers.sampler import SamplingTensors
+
+    from kernel_inputs import INTERPRETED
+
+    if not INTERPRETED:  # the proposer here is on the CPU
+        pytest.skip("runs the Triton kernels on the CPU, under TRITON_INTERPRET=1")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    drafter_dir = write_dummy_drafter(
+        tmp_path, TINY, 2, 6, with_weights=False, dflash2=TINY_DFLASH2
+    )
+    proposer = build_proposer(drafter_dir, TINY, 128, 16, torch.float32, torch.device("cpu"))
+    for module in proposer.drafter.modules():  # larger weights than the dummy ones
+        for p in module.parameters(recurse=False):
+            p.normal_(0, 0.3)
+    batch, n, context_len = 2, 5, 12
+    i64 = dict(dtype=torch.int64)
+    tables = torch.arange(batch * 2, **i64).view(batch, 2)
+    rows = torch.arange(batch, **i64)
+    st = SamplingTensors.from_lists(
+        [0.0, 1.1], [0] * batch, [1.0] * batch, [0.0] * batch,
+        torch.randint(0, MAX_SEED, (batch,), generator=rng).tolist(), [context_len + 1] * batch,
+        "cpu",
+    )  # fmt: skip
+    anchors = torch.randint(4, 200, (batch,), generator=rng)
+    proposals = []
+    for backend in ("torch", "triton"):
+        set_policy(backend=backend)
+        inputs = proposer.prepare_inputs(
+            anchors, torch.full((batch,), context_len, **i64), rows, torch.ones(batch, **i64),
+            rows, tables, n, batch,
+        )  # fmt: skip
+        proposals.append(proposer.propose(inputs, tables, context_len + n + 1, st, n))
+    (want_tokens, want_probs), (got_tokens, got_probs) = proposals
+    assert torch.equal(got_tokens, want_tokens)
+    torch.testing.assert_close(got_probs, want_probs, rtol=1e-4, atol=1e-5)
