@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--profile", action="store_true", help="top kernels at the smallest batch, T=0")
+    p.add_argument("--profile", action="store_true", help="top kernels, T=0 (GPU)")
+    p.add_argument(
+        "--profile-batches", type=int, nargs="+", default=None, help="default: the smallest"
+    )
     p.add_argument("--top", type=int, default=10, help="kernels listed by --profile")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -181,8 +184,11 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
                     proposer, batch, num_drafts, args.context_len, temperature, args.steps
                 )
         if args.profile and device.type == "cuda":
-            batch = min(args.batches)
-            profiled += profile_step(proposer, name, batch, num_drafts, args.context_len, args.top)
+            for batch in args.profile_batches or [min(args.batches)]:
+                proposer.graphs.clear()
+                profiled += profile_step(
+                    proposer, name, batch, num_drafts, args.context_len, args.top
+                )
         del proposer
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -206,8 +212,8 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     )
     if profiled:
         print_table(
-            f"GPU ms per drafter step by kernel, batch {min(args.batches)}, T = 0",
-            ["drafter", "kernel", "ms"],
+            "GPU ms per drafter step by kernel, T = 0",
+            ["drafter", "batch", "kernel", "ms"],
             profiled,
         )
     return rows
@@ -225,8 +231,10 @@ def profile_step(
     calls = steps + 3  # step_ms's warm-up calls too
     kernels = device_kernels(prof)
     total = sum(k.self_device_time_total for k in kernels) / 1e3 / calls
-    listed = [[name, k.key[:70], k.self_device_time_total / 1e3 / calls] for k in kernels[:top]]
-    return [[name, "all kernels", total], *listed]
+    listed = [
+        [name, batch, k.key[:70], k.self_device_time_total / 1e3 / calls] for k in kernels[:top]
+    ]
+    return [[name, batch, "all kernels", total], *listed]
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ the same uniforms, columns and tie rule as the twin's race. `_candidate_path_ker
 program per request, follows the tables from the anchor (N dependent loads) and writes the
 tokens and each position's q (its softmax row given the previous pick, one-hot when greedy).
 
-Scores are fp32 sums in another order than the twin's matmul, the softmax's exp is Triton's and
-the log libdevice's (numpy's under the interpreter): values agree to a few ulps, so only a
-near-exact tie between two candidates can go the other way.
+Scores are fp32 dot products (FMAs, no tf32) summed in another order than the twin's matmul,
+the softmax's exp is Triton's and the log libdevice's (numpy's under the interpreter): values
+agree to a few ulps, so only a near-exact tie between two candidates can go the other way.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ def _candidate_table_kernel(
         prd = tl.load(
             pred_cb_ptr + pred[:, None] * stride_pred_cb + rs[None, :], mask=both, other=0.0
         ).to(tl.float32)
-        acc += tl.sum(prd[:, None, :] * (succ * h[None, :])[None, :, :], axis=2)
+        # fp32 FMAs, not tf32: the scores are the twin's to a few ulps
+        acc = tl.dot(prd, tl.trans(succ * h[None, :]), acc, input_precision="ieee")
     unary = tl.load(unary_ptr + row * top_k + ks, mask=k_ok, other=0.0)
     scores = tl.where(k_ok[None, :], unary[None, :] + acc, float("-inf"))
     idx = tl.broadcast_to(tl.where(k_ok, ks.to(tl.int64), BIG_INDEX)[None, :], [BLOCK_K, BLOCK_K])
@@ -167,7 +168,7 @@ def triton_candidate_walk(
     probs = torch.empty(num_reqs, n, top_k, top_k, dtype=torch.float32, device=device)
     candidates = candidates.contiguous()
     temperature = temperature.to(torch.float32).contiguous()
-    block_k = triton.next_power_of_2(top_k)
+    block_k = max(16, triton.next_power_of_2(top_k))  # tl.dot tiles are >= 16 a side
     _candidate_table_kernel[(num_reqs, n)](
         projected.contiguous(),
         unary.to(torch.float32).contiguous(),
@@ -187,8 +188,7 @@ def triton_candidate_walk(
         successor_codebook.stride(0),
         salted_row_init(salt),
         BLOCK_K=block_k,
-        # [K, K, BLOCK_R] products a step: about 4K elements
-        BLOCK_R=max(1, min(triton.next_power_of_2(rank), 4096 // (block_k * block_k))),
+        BLOCK_R=max(16, min(64, triton.next_power_of_2(rank))),
         PRECISE_LOG=not triton_interpreting(),
         num_warps=4,
     )

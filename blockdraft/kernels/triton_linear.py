@@ -120,11 +120,16 @@ def m_bucket(m: int) -> int:
 
 
 # An untabulated weight of at least SPLIT_MIN_ELEMENTS whose rows give its nearest config fewer
-# than half of FILL_PROGRAMS programs (~ one per SM of an H200) is split along K until they fill
-# the GPU: a DFlash2 drafter's kernel projection (4096 -> 1024) ran on 32 programs, ~5x slower
-# than its bytes allow. Smaller weights are latency-bound and would only pay the reduce launch.
+# than half of FILL_PROGRAMS programs (~ one per SM of an H200; half that for the one- and
+# two-row broadcast path, whose programs are wider) is split along K until they fill the GPU,
+# each split at least SPLIT_MIN_DEPTH deep. H200, 16 rows (gemv_bench): a DFlash2 drafter's
+# kernel projection 4096 -> 1024 0.86 -> 1.20 TB/s (split 4), its selector projection 4096 ->
+# 256 0.22 -> 0.46 (16), an A3B MoE's o_proj 4096 -> 2048 1.67 -> 1.91 (2); a 512-deep shared
+# expert down projection lost (0.68 -> 0.50 at split 2), one row of 4096 -> 1024 too (1.40 ->
+# 1.35). Smaller weights are latency-bound and would only pay the reduce launch.
 FILL_PROGRAMS = 128
 SPLIT_MIN_ELEMENTS = 1 << 20
+SPLIT_MIN_DEPTH = 512
 MAX_SPLIT_K = 16
 
 
@@ -147,11 +152,12 @@ def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
     block_k = min(cfg.block_k, max(16, triton.next_power_of_2(k)))
     split_k = max(1, min(cfg.split_k, triton.cdiv(k, block_k)))
     programs = triton.cdiv(n, cfg.block_n)
-    if n * k >= SPLIT_MIN_ELEMENTS and programs * split_k * 2 <= FILL_PROGRAMS:
+    fill = FILL_PROGRAMS if cfg.use_dot else FILL_PROGRAMS // 2
+    if n * k >= SPLIT_MIN_ELEMENTS:
         while (
             split_k < MAX_SPLIT_K
-            and programs * split_k * 2 <= FILL_PROGRAMS
-            and k >= block_k * split_k * 2
+            and programs * split_k * 2 <= fill
+            and k >= max(block_k, SPLIT_MIN_DEPTH) * split_k * 2
         ):
             split_k *= 2
     return cfg._replace(block_k=block_k, split_k=split_k)

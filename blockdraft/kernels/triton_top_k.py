@@ -5,9 +5,10 @@ lowest column, which torch leaves unspecified, so on tied values the two may pic
 columns of equal value. DFlash2's candidate selector takes K ~16 of ~150k logits for each draft
 position: torch's radix select costs ~40 us there, several passes over [R, V].
 
-`_top_k_chunk_kernel`, one program per (row, chunk of BLOCK_V columns), takes its chunk's K
-best by K rounds of (max, lowest column holding it); `_top_k_merge_kernel`, one program per
-row, takes the K best of the chunks' candidates the same way. Every round picks the largest
+`_top_k_chunk_kernel`, one program per (row, chunk of CHUNK columns), takes the K groups of
+GROUP columns with the best maxima, then the K best values of those groups, each by K rounds
+of (max, lowest column holding it); `_top_k_merge_kernel`, one program per row, takes the K
+best of the chunks' candidates the same way. Every round picks the largest
 value left and, among equal values, the lowest column, so the row's top K under that order are
 among the chunks' (each chunk keeps its own top K under the same order).
 """
@@ -21,6 +22,7 @@ import triton.language as tl
 from blockdraft.kernels.triton_sampling import BIG_INDEX
 
 CHUNK = 4096  # columns per first-pass program
+GROUP = 32  # columns per group: the first pass ranks the groups by their maxima first
 
 
 @triton.jit
@@ -46,15 +48,33 @@ def _top_k_chunk_kernel(
     stride_x,
     vocab,
     k,
-    BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
-    cols = chunk.to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V).to(tl.int64)
-    alive = cols < vocab
-    vals = tl.load(x_ptr + row * stride_x + cols, mask=alive, other=float("-inf")).to(tl.float32)
-    top_v, top_i = _take_top(vals, cols, alive, k, BLOCK_K)
+    start = chunk.to(tl.int64) * (GROUP * NUM_GROUPS)
+    lanes = tl.arange(0, GROUP).to(tl.int64)
+    groups = tl.arange(0, NUM_GROUPS).to(tl.int64)
+    cols = start + groups[:, None] * GROUP + lanes[None, :]  # [NUM_GROUPS, GROUP]
+    vals = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf"))
+    # The chunk's top k lie in its k best groups by their maxima (a group's maximum precedes
+    # every other value of it in the order): rounds over the maxima, then over those groups'
+    # values, instead of k rounds over the whole chunk.
+    group_max = tl.max(vals.to(tl.float32), axis=1)
+    first_col = start + groups * GROUP
+    _, best_groups = _take_top(group_max, first_col, first_col < vocab, k, BLOCK_K)
+    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]; BIG_INDEX rows unused
+    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
+    cand = tl.load(x_ptr + row * stride_x + picked, mask=ok, other=float("-inf"))
+    top_v, top_i = _take_top(
+        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
+        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
+        tl.reshape(ok, [BLOCK_K * GROUP]),
+        k,
+        BLOCK_K,
+    )
     ks = tl.arange(0, BLOCK_K)
     out = row * tl.num_programs(1) * k + chunk * k + ks
     tl.store(vals_ptr + out, top_v, mask=ks < k)
@@ -101,14 +121,14 @@ def triton_top_k(
     out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
     out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
     if n:
-        block_v = min(CHUNK, triton.next_power_of_2(vocab))
+        block_v = min(CHUNK, max(GROUP, triton.next_power_of_2(vocab)))
         chunks = triton.cdiv(vocab, block_v)
         block_k = triton.next_power_of_2(k)
         vals = torch.empty(n, chunks * k, dtype=torch.float32, device=x.device)
         cols = torch.empty(n, chunks * k, dtype=torch.int64, device=x.device)
         _top_k_chunk_kernel[(n, chunks)](
-            rows, vals, cols, rows.stride(0), vocab, k, BLOCK_V=block_v, BLOCK_K=block_k,
-            num_warps=max(1, min(8, block_v // 256)),
+            rows, vals, cols, rows.stride(0), vocab, k, GROUP=GROUP,
+            NUM_GROUPS=block_v // GROUP, BLOCK_K=block_k, num_warps=4,
         )  # fmt: skip
         width = chunks * k
         _top_k_merge_kernel[(n,)](

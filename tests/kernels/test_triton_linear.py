@@ -25,6 +25,7 @@ from blockdraft.kernels.linear import skinny_linear_torch  # noqa: E402
 from blockdraft.kernels.triton_linear import (  # noqa: E402
     DEFAULT_CONFIGS,
     FILL_PROGRAMS,
+    SPLIT_MIN_DEPTH,
     SkinnyConfig,
     pick_config,
     skinny_linear,
@@ -132,14 +133,16 @@ def test_pick_config_splits_few_rows_of_a_large_weight(rng) -> None:
     """Untabulated weights of >= 1M elements whose nearest config leaves most SMs idle are
     split along K until about FILL_PROGRAMS programs run; smaller ones, and shapes with
     programs enough, keep their nearest config's split."""
-    for n, k in ((1024, 4096), (256, 4096), (512, 2048)):
+    for n, k in ((1024, 4096), (2048, 4096), (1024, 8192)):
         cfg = pick_config(16, n, k)
         programs = -(-n // cfg.block_n)
         assert FILL_PROGRAMS // 2 < programs * cfg.split_k <= FILL_PROGRAMS, (n, k, cfg)
-        assert k >= cfg.block_k * cfg.split_k
+        assert k >= max(cfg.block_k, SPLIT_MIN_DEPTH) * cfg.split_k
     x, w, b = inputs(rng, 16, 256, 4096, torch.float16, bias=True, strided=True)
-    assert pick_config(16, 256, 4096).split_k == 16
+    assert pick_config(16, 256, 4096).split_k == 4096 // SPLIT_MIN_DEPTH  # depth-bound
     check(skinny_linear(x, w, b), x, w, b)  # the picked split, run
+    assert pick_config(16, 2048, 512).split_k == 1  # too shallow to split
+    assert pick_config(1, 1024, 4096).split_k == 1  # one row: 64 programs are enough
     small = pick_config(16, 576, 576)  # SmolLM2-135M: latency-bound, no reduce launch
     assert small.split_k == 1
     wide = pick_config(16, 14336, 4096)  # rows enough
