@@ -102,38 +102,48 @@ def test_dense_draft_probs() -> None:
     assert torch.allclose(dense[0, 1], torch.tensor([0.9, 0.1, 0.0, 0.0, 0.0, 0.0]))
 
 
+def _tiny_proposer(tmp_path, rng, block_size: int):
+    """A tiny DFlash2 proposer on the CPU with larger random weights than the dummy ones."""
+    from benchmarks.common import write_dummy_drafter
+    from benchmarks.drafter_step_bench import TINY, TINY_DFLASH2, build_proposer
+
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
+    drafter_dir = write_dummy_drafter(
+        tmp_path, TINY, 2, block_size, with_weights=False, dflash2=TINY_DFLASH2
+    )
+    proposer = build_proposer(drafter_dir, TINY, 128, 16, torch.float32, torch.device("cpu"))
+    for module in proposer.drafter.modules():
+        for p in module.parameters(recurse=False):
+            p.normal_(0, 0.3)
+    return proposer
+
+
+def _block_inputs(proposer, anchors: torch.Tensor, context_len: int, n: int):
+    """Block tables of two pages per request, and the drafter inputs after `context_len`
+    context rows."""
+    batch = anchors.shape[0]
+    i64 = dict(dtype=torch.int64)
+    tables = torch.arange(batch * 2, **i64).view(batch, 2)
+    rows = torch.arange(batch, **i64)
+    inputs = proposer.prepare_inputs(
+        anchors, torch.full((batch,), context_len, **i64), rows, torch.ones(batch, **i64), rows,
+        tables, n, batch,
+    )  # fmt: skip
+    return inputs, tables
+
+
 @torch.inference_mode()
 def test_graphed_selection_equals_eager(tmp_path, rng) -> None:
     """A DFlash2 proposer's drafts through its captured graph (the CPU twin: the selector and
     the requests' temperatures and seeds in persistent buffers) equal the eager run's, for a
     batch mixing greedy and sampled requests, and their dense q sums to one over the
     candidates."""
-    from benchmarks.common import write_dummy_drafter
-    from benchmarks.drafter_step_bench import TINY, TINY_DFLASH2, build_proposer
     from blockdraft.layers.sampler import SamplingTensors
 
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
-    drafter_dir = write_dummy_drafter(
-        tmp_path, TINY, 2, 8, with_weights=False, dflash2=TINY_DFLASH2
-    )
-    proposer = build_proposer(drafter_dir, TINY, 128, 16, torch.float32, torch.device("cpu"))
-    for module in proposer.drafter.modules():  # larger weights than the dummy ones
-        for p in module.parameters(recurse=False):
-            p.normal_(0, 0.3)
+    proposer = _tiny_proposer(tmp_path, rng, 8)
     batch, n, context_len = 3, 7, 20
-    i64 = dict(dtype=torch.int64)
-    tables = torch.arange(batch * 2, **i64).view(batch, 2)
-    rows = torch.arange(batch, **i64)
-    anchors = torch.randint(4, 200, (batch,), generator=rng)
-    inputs = proposer.prepare_inputs(
-        anchors,
-        torch.full((batch,), context_len, **i64),
-        rows,
-        torch.ones(batch, **i64),
-        rows,
-        tables,
-        n,
-        batch,
+    inputs, tables = _block_inputs(
+        proposer, torch.randint(4, 200, (batch,), generator=rng), context_len, n
     )
     seeds = torch.randint(0, MAX_SEED, (batch,), generator=rng).tolist()
     st = SamplingTensors.from_lists(
@@ -164,26 +174,14 @@ def test_triton_drafting_path_equals_torch(tmp_path, rng, set_policy) -> None:
     """A DFlash2 drafter step with every kernel of the GPU path (the fused closing convolution
     + norm, top-K, candidate walk; Triton's interpreter on the CPU) proposes the tokens and q
     of the torch path, greedy and sampled requests in one batch."""
-    from benchmarks.common import write_dummy_drafter
-    from benchmarks.drafter_step_bench import TINY, TINY_DFLASH2, build_proposer
     from blockdraft.layers.sampler import SamplingTensors
 
     from kernel_inputs import INTERPRETED
 
     if not INTERPRETED:  # the proposer here is on the CPU
         pytest.skip("runs the Triton kernels on the CPU, under TRITON_INTERPRET=1")
-    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=rng)))
-    drafter_dir = write_dummy_drafter(
-        tmp_path, TINY, 2, 6, with_weights=False, dflash2=TINY_DFLASH2
-    )
-    proposer = build_proposer(drafter_dir, TINY, 128, 16, torch.float32, torch.device("cpu"))
-    for module in proposer.drafter.modules():  # larger weights than the dummy ones
-        for p in module.parameters(recurse=False):
-            p.normal_(0, 0.3)
+    proposer = _tiny_proposer(tmp_path, rng, 6)
     batch, n, context_len = 2, 5, 12
-    i64 = dict(dtype=torch.int64)
-    tables = torch.arange(batch * 2, **i64).view(batch, 2)
-    rows = torch.arange(batch, **i64)
     st = SamplingTensors.from_lists(
         [0.0, 1.1], [0] * batch, [1.0] * batch, [0.0] * batch,
         torch.randint(0, MAX_SEED, (batch,), generator=rng).tolist(), [context_len + 1] * batch,
@@ -193,10 +191,7 @@ def test_triton_drafting_path_equals_torch(tmp_path, rng, set_policy) -> None:
     proposals = []
     for backend in ("torch", "triton"):
         set_policy(backend=backend)
-        inputs = proposer.prepare_inputs(
-            anchors, torch.full((batch,), context_len, **i64), rows, torch.ones(batch, **i64),
-            rows, tables, n, batch,
-        )  # fmt: skip
+        inputs, tables = _block_inputs(proposer, anchors, context_len, n)
         proposals.append(proposer.propose(inputs, tables, context_len + n + 1, st, n))
     (want_tokens, want_probs), (got_tokens, got_probs) = proposals
     assert torch.equal(got_tokens, want_tokens)
