@@ -32,6 +32,25 @@ def pair_scores(
     return unary[..., None, :] + predecessor_rows.float() @ successor.transpose(-1, -2)
 
 
+def transition_scores(
+    projected: torch.Tensor,  # [R, N, r], the selector's projection of the drafter's rows
+    unary: torch.Tensor,  # [R, N, K] float32, each position's top-K logits
+    candidates: torch.Tensor,  # [R, N, K] int64, their tokens
+    anchors: torch.Tensor,  # [R] int64, each block's anchor token
+    predecessor_codebook: torch.Tensor,  # [V, r]
+    successor_codebook: torch.Tensor,  # [V, r]
+) -> torch.Tensor:  # [R, N, K, K] float32
+    """scores[r, i, j, k]: candidate k of position i after candidate j of position i - 1.
+    Position 0 follows the anchor: its K rows are equal."""
+    num_reqs, _, top_k = candidates.shape
+    predecessors = torch.cat(
+        [anchors[:, None, None].expand(num_reqs, 1, top_k), candidates[:, :-1]], dim=1
+    )  # [R, N, K]: row j of position i is candidate j of position i - 1
+    return pair_scores(
+        projected, unary, successor_codebook[candidates], predecessor_codebook[predecessors]
+    )
+
+
 def walk_candidates(
     scores: torch.Tensor,  # [R, N, K, K] float32: [r, i, j, k] candidate k after candidate j
     temperature: torch.Tensor,  # [R] float32; 0 => greedy
@@ -81,12 +100,8 @@ def candidate_walk_torch(
     salt: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens [R, N] int64, q [R, N, K] float32
     """The drafted tokens and the proposal distribution over each position's candidates."""
-    num_reqs, _, top_k = candidates.shape
-    predecessors = torch.cat(
-        [anchors[:, None, None].expand(num_reqs, 1, top_k), candidates[:, :-1]], dim=1
-    )  # [R, N, K]: row j of position i is candidate j of position i - 1
-    scores = pair_scores(
-        projected, unary, successor_codebook[candidates], predecessor_codebook[predecessors]
+    scores = transition_scores(
+        projected, unary, candidates, anchors, predecessor_codebook, successor_codebook
     )
     index, q = walk_candidates(scores, temperature, seed, position, salt)
     return candidates.gather(2, index[:, :, None]).squeeze(2), q

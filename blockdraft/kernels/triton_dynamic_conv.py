@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch
-
 
 @triton.jit
 def _conv_row(
@@ -154,8 +152,8 @@ def triton_conv_rms_norm(
             f"{rows} rows are not whole blocks of {block_len}, {groups} groups do not divide "
             f"hidden {hidden}, or residual {tuple(residual.shape)} differs from x"
         )
-    if residual.dtype != x.dtype:
-        return conv_rms_norm_torch(x, dynamic, base, block_len, norm_weight, eps, residual)
+    if residual.dtype != x.dtype:  # as triton_rms_norm: the layer sends mixed dtypes to torch
+        raise ValueError(f"residual dtype {residual.dtype} differs from x's {x.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if dynamic.stride(2) != 1:

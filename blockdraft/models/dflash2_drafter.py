@@ -21,7 +21,7 @@ from typing import ClassVar, NamedTuple
 import torch
 from torch import nn
 
-from blockdraft.kernels.candidate_walk import pair_scores
+from blockdraft.kernels.candidate_walk import pair_scores, transition_scores
 from blockdraft.kernels.forward_context import get_attention_metadata
 from blockdraft.layers.dynamic_conv import GroupedDynamicCausalConv
 from blockdraft.layers.linear import linear
@@ -153,13 +153,19 @@ class CandidateSelector(nn.Module):
         anchors: torch.Tensor,  # [R] int64, each block's anchor token
     ) -> tuple[torch.Tensor, torch.Tensor]:  # candidates [R, N, K] int64, scores [R, N, K, K]
         """scores[r, i, j, k]: candidate k of position i after candidate j of position i - 1
-        (float32). Position 0 follows the anchor: its K rows are equal."""
-        num_reqs = hidden.shape[0]
+        (float32), as the drafting path scores them (`kernels.candidate_walk`). Position 0
+        follows the anchor: its K rows are equal."""
         unary, candidates = self.top_candidates(logits)
-        predecessors = torch.cat(
-            [anchors[:, None, None].expand(num_reqs, 1, self.top_k), candidates[:, :-1]], dim=1
-        )  # [R, N, K]: row j of position i is candidate j of position i - 1
-        return candidates, self.pair_scores(hidden, unary, candidates, predecessors)
+        projected = linear(hidden, self.hidden_projection.weight, None)
+        scores = transition_scores(
+            projected,
+            unary,
+            candidates,
+            anchors,
+            self.predecessor_codebook.weight,
+            self.successor_codebook.weight,
+        )
+        return candidates, scores
 
 
 class DFlash2Drafter(DFlashDrafter):
