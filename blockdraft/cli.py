@@ -59,6 +59,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "override its fields",
     )
     p.add_argument(
+        "--speculative-token-map",
+        default=None,
+        help="the tokens the drafter may propose, a .pt or .json file of token ids (as SGLang's); "
+        "'none': the whole vocabulary (unset: the drafter directory's token_map.pt if it ships "
+        "one, as the default drafter does)",
+    )
+    p.add_argument(
         "--device", default="auto", help="auto (cuda if torch sees a GPU, else cpu), cpu, cuda[:N]"
     )
     p.add_argument(
@@ -92,31 +99,34 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _speculative_config(args: argparse.Namespace) -> dict | str | None:
-    """The engine's speculative_config from --draft, --speculative-config and
-    --num-speculative-tokens; a combination that would ignore one of them is an error."""
-    n = args.num_speculative_tokens
+    """The engine's speculative_config from --draft, --speculative-config,
+    --num-speculative-tokens and --speculative-token-map; a combination that would ignore one
+    of them is an error."""
+    n, token_map = args.num_speculative_tokens, args.speculative_token_map
+    # Fields the flags set over the JSON's (or the default drafter's).
+    fields = {} if n is None else {"num_speculative_tokens": n}
+    if token_map is not None:
+        fields["token_map"] = None if token_map == "none" else token_map
     if args.draft == "none":
-        if n is not None or args.speculative_config:
+        if fields or args.speculative_config:
             raise ValueError(
-                "--draft none turns speculation off, so --num-speculative-tokens and "
-                "--speculative-config would be ignored: drop them or --draft none"
+                "--draft none turns speculation off, so --num-speculative-tokens, "
+                "--speculative-token-map and --speculative-config would be ignored: drop them "
+                "or --draft none"
             )
         return None
     if not args.draft and not args.speculative_config:
-        if n is None:
+        if not fields:
             return "auto"
         if args.model is not None:
-            raise ValueError(
-                f"--num-speculative-tokens needs a drafter for --model {args.model}: "
-                "give --draft DIR"
-            )
-        return {"method": "dflash", "model": "default", "num_speculative_tokens": n}
+            given = (("--num-speculative-tokens", n), ("--speculative-token-map", token_map))
+            flags = " and ".join(flag for flag, value in given if value is not None)
+            raise ValueError(f"{flags} needs a drafter for --model {args.model}: give --draft DIR")
+        return {"method": "dflash", "model": "default", **fields}
     spec = _parse_speculative_json(args.speculative_config) if args.speculative_config else None
     if args.draft:
         spec = {"method": "dflash", **(spec or {}), "model": args.draft}
-    if n is not None:
-        spec["num_speculative_tokens"] = n
-    return spec
+    return {**spec, **fields}
 
 
 def _parse_speculative_json(text: str) -> dict:

@@ -21,6 +21,7 @@ import torch
 
 from blockdraft.assets import DEFAULT_DRAFTER, default_drafter_path
 from blockdraft.kernels.policy import BACKENDS, KernelPolicy
+from blockdraft.models.draft_vocab import check_token_map_path
 from blockdraft.spec_decode.draft_schedule import check_draft_schedule, is_positive_int
 
 KERNELS_ENV_VAR = "BLOCKDRAFT_KERNELS"
@@ -49,8 +50,15 @@ class SpeculativeConfig:
     # Benchmark only: accept each draft with this probability instead of verifying it, so speed
     # can be measured at a chosen acceptance length with random weights. Output is meaningless.
     synthetic_acceptance_rate: float | None = None
+    # The target tokens the drafter may propose (SGLang's speculative_token_map, after
+    # FR-Spec): its head scores only those, a fraction of the vocabulary's cost
+    # (blockdraft/models/draft_vocab.py). A .pt or .json file of token ids; "auto": the
+    # drafter directory's own token_map.pt if it has one (the shipped drafter does); None: the
+    # whole vocabulary.
+    token_map: str | None = "auto"
 
     def __post_init__(self) -> None:
+        check_token_map_path(self.token_map)
         rate = self.synthetic_acceptance_rate
         if rate is not None and not 0 <= rate <= 1:
             raise ValueError(f"synthetic_acceptance_rate must be in [0, 1], got {rate}")
@@ -73,6 +81,7 @@ class SpeculativeConfig:
             "num_speculative_tokens",
             "num_speculative_tokens_by_batch",
             "synthetic_acceptance_rate",
+            "token_map",
         }
         if unknown:
             raise ValueError(f"unknown speculative_config keys: {sorted(unknown)}")
@@ -185,6 +194,12 @@ class EngineConfig:
                     f"default SmolLM2 target; for {self.model} give a drafter directory"
                 )
             self.speculative_config = dataclasses.replace(spec, model=default_drafter_path())
+        if spec is not None and spec.token_map not in (None, "auto"):
+            if self.tensor_parallel_size > 1:
+                raise ValueError(
+                    "token_map is not supported with tensor_parallel_size > 1 (each rank holds "
+                    "another slice of the head): drop it"
+                )
 
 
 def _is_number(value: object) -> bool:

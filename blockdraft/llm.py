@@ -181,7 +181,12 @@ def describe_engine(engine: LLMEngine, threads: ThreadChoice) -> str:
     else:
         shipped = spec.model == default_drafter_path()
         drafter = "the shipped SmolLM2 drafter" if shipped else f"drafter {spec.model}"
-        drafter += f" (up to {engine.num_spec} draft{'s' if engine.num_spec > 1 else ''} a step)"
+        drafts = f"up to {engine.num_spec} draft{'s' if engine.num_spec > 1 else ''} a step"
+        draft_cfg = engine.proposer.drafter.cfg if engine.proposer is not None else None
+        if draft_cfg is not None and draft_cfg.draft_vocab_size is not None:  # token map, d2t
+            vocab = draft_cfg.body.vocab_size
+            drafts += f" from {draft_cfg.draft_vocab_size:,} of {vocab:,} tokens"
+        drafter += f" ({drafts})"
     ranks = cfg.tensor_parallel_size
     device = f"device {cfg.device}" + (f" x {ranks} tensor-parallel ranks" if ranks > 1 else "")
     return (

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from blockdraft.config import EngineConfig, check_tensor_parallel_shape
+from blockdraft.config import EngineConfig, SpeculativeConfig, check_tensor_parallel_shape
 from blockdraft.distributed.tensor_parallel import (
     Shard,
     TensorParallel,
@@ -22,6 +23,7 @@ from blockdraft.distributed.tensor_parallel import (
 )
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.dflash_drafter import DFlashDrafter, load_drafter
+from blockdraft.models.draft_vocab import read_token_map, resolve_token_map
 from blockdraft.models.drafter_checkpoint import read_drafter_checkpoint
 from blockdraft.models.llama import DecoderLM
 from blockdraft.models.loader import (
@@ -39,6 +41,8 @@ from blockdraft.models.loader import (
 from blockdraft.models.registry import resolve_architecture, resolve_drafter
 from blockdraft.spec_decode.draft_schedule import DraftSchedule, default_num_drafts
 from blockdraft.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -241,6 +245,7 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
             cfg=draft_cfg,
             drafter_class=drafter_class,
         )
+        apply_token_map(drafter, spec, config.tensor_parallel_size)
         fuse_projections(drafter)
         model.capture_layer_ids = drafter.cfg.target_layer_ids
     return LoadedModels(
@@ -253,3 +258,18 @@ def load_models(config: EngineConfig, device: torch.device) -> LoadedModels:
         num_spec,
         draft_schedule,
     )
+
+
+def apply_token_map(drafter: DFlashDrafter, spec: SpeculativeConfig, tp_size: int) -> None:
+    """Cuts the drafter's head to the config's token map, if any. "auto" leaves the head whole
+    under tensor parallelism (where a map cannot apply) and says so."""
+    path = resolve_token_map(spec.token_map, spec.model)
+    if path is None:
+        return
+    if tp_size > 1 and spec.token_map == "auto":
+        logger.info("the drafter's token map %s is not used under tensor parallelism", path)
+        return
+    ids = read_token_map(path, drafter.cfg.body.vocab_size)
+    drafter.restrict_vocab(ids)
+    logger.info("drafts from %d tokens of %d (token map %s)", ids.numel(),
+                drafter.cfg.body.vocab_size, path)  # fmt: skip

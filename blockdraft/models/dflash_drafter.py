@@ -258,6 +258,26 @@ class DFlashDrafter(nn.Module):
             x, residual = layer(x, positions, residual)
         return final_norm(self.norm, x, residual)
 
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:  # [D] int64, ascending
+        """Scores only these target tokens from now on (a token map): the head becomes a copy
+        of those rows of the current one. Not under tensor parallelism (each rank holds another
+        slice of the target's head), nor over a drafter that has its own reduced vocabulary."""
+        if self.tp is not None:
+            raise ValueError("a token map is not supported with tensor_parallel_size > 1")
+        if self.cfg.draft_vocab_size is not None:
+            raise ValueError(
+                f"the drafter already scores a reduced vocabulary (draft_vocab_size "
+                f"{self.cfg.draft_vocab_size}): a token map cannot apply"
+            )
+        weight = self.lm_head.weight
+        ids = token_ids.to(weight.device)
+        with torch.device(weight.device):
+            head = lm_head(self.cfg.body.hidden_size, ids.numel()).to(weight.dtype)
+        head.weight.data.copy_(weight[ids])
+        self.lm_head = head.requires_grad_(False)
+        self.draft_token_ids = ids
+        self.cfg = dataclasses.replace(self.cfg, draft_vocab_size=ids.numel())
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
         # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
         # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).

@@ -170,7 +170,10 @@ class DFlashProposer:
             )
             if st.all_greedy:
                 return tokens, None
-            return tokens, dense_draft_probs(candidates, q, self.drafter.lm_head.weight.shape[0])
+            # Over the target's vocabulary: the head may hold fewer rows (a token map, a
+            # tensor-parallel slice), while the candidates are target ids.
+            vocab = self.drafter.cfg.body.vocab_size
+            return tokens, dense_draft_probs(candidates, q, vocab)
         hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len, context)
         draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
         logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)

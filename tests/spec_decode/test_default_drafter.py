@@ -103,13 +103,15 @@ def test_lossless_and_accepting() -> None:
 
 @pytest.mark.slow
 def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
-    # z-lab's loop drafts whole blocks: so does the engine with N = block_size - 1.
+    # z-lab's loop drafts whole blocks over the whole vocabulary: so does the engine with
+    # N = block_size - 1 and no token map.
     llm = LLM(
         max_model_len=512,
         speculative_config={
             **DEFAULT_SPEC,
             "num_speculative_tokens": 15,
             "num_speculative_tokens_by_batch": None,
+            "token_map": None,
         },
     )
     question = random_questions(1)[0]
