@@ -368,3 +368,30 @@ def test_cpu_gemm_bench_times_both_products_over_a_forward(tmp_path, capsys) -> 
     assert [r["rows"] for r in results] == [1, 3]
     assert all(r["f_linear_ms"] > 0 and r["linear_ms"] > 0 for r in results)
     assert "F.linear / ours" in capsys.readouterr().out and (tmp_path / "g.json").exists()
+
+
+def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(tmp_path, capsys) -> None:
+    """The shipped drafter with its map, without it, and AR: a rate and tau per engine (tau
+    from the drafting engines only), the JSON the same; a drafter without a map is refused."""
+    import json
+    import shutil
+
+    import pytest
+
+    from benchmarks import token_map_bench
+    from blockdraft.assets import default_drafter_path
+
+    out = token_map_bench.main([
+        "--num-drafts", "2", "--max-tokens", "4", "--repeats", "1", "--threads", "1",
+        "--json", str(tmp_path / "out.json"),
+    ])  # fmt: skip
+    rows = {r["engine"]: r for r in out["rows"]}
+    assert set(rows) == {"AR", "token map", "whole vocabulary"}
+    assert all(r["tok_s"] > 0 for r in rows.values()) and rows["AR"]["vs_ar"] == 1.0
+    assert rows["AR"]["tau"] == 0 and 1 <= rows["token map"]["tau"] <= 3
+    assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
+    assert "16,384 of 49,152 tokens" in capsys.readouterr().out
+    bare = tmp_path / "bare"
+    shutil.copytree(default_drafter_path(), bare, ignore=shutil.ignore_patterns("token_map.pt"))
+    with pytest.raises(SystemExit, match="ships no token map"):
+        token_map_bench.main(["--draft", str(bare), "--repeats", "1", "--threads", "1"])
