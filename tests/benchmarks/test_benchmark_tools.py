@@ -370,7 +370,9 @@ def test_cpu_gemm_bench_times_both_products_over_a_forward(tmp_path, capsys) -> 
     assert "F.linear / ours" in capsys.readouterr().out and (tmp_path / "g.json").exists()
 
 
-def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(tmp_path, capsys) -> None:
+def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(
+    tmp_path, capsys, monkeypatch
+) -> None:
     """The shipped drafter with its map, without it, and AR: a rate and tau per engine (tau
     from the drafting engines only), the JSON the same; a drafter without a map is refused."""
     import json
@@ -381,6 +383,11 @@ def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(tmp_path, cap
     from benchmarks import token_map_bench
     from blockdraft.assets import default_drafter_path
 
+    # The prompt sets install from PyPI only with the bench extras: two questions stand in.
+    questions = {"gsm8k": ["What is 12 times 7?"] * 2, "humaneval": ["def add(a, b):"]}
+    monkeypatch.setattr(
+        token_map_bench, "load_prompt_set", lambda name, n: questions.get(name, ["Hi!"])[:n]
+    )
     out = token_map_bench.main([
         "--num-drafts", "2", "--max-tokens", "4", "--repeats", "1", "--threads", "1",
         "--json", str(tmp_path / "out.json"),

@@ -121,7 +121,8 @@ def test_cpu_rows_past_the_first_take_the_weight_as_left_operand(bias: bool, rng
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
             mp.setattr(linear_layer.F, "linear", counting)
             got = linear(x, w, b)
-        torch.testing.assert_close(got, F.linear(x, w, b))
+        # Another summation order: fp32 rounding over up to 300 products of N(0, 1) values.
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         assert got.is_contiguous() and got.shape == (n, out)
         assert len(calls) == int(by_f_linear), n
     w.requires_grad_(True)
