@@ -27,12 +27,7 @@ def draft_token_ids(
     if d2t.ndim != 1 or d2t.is_floating_point() and not torch.equal(d2t, d2t.round()):
         raise ValueError(f"d2t must be a 1-D tensor of integer offsets, got {tuple(d2t.shape)}")
     ids = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
-    outside = ids[(ids < 0) | (ids >= vocab_size)]
-    if outside.numel():
-        raise ValueError(
-            f"d2t maps draft rows to target ids {outside[:4].tolist()} outside the target's "
-            f"vocabulary of {vocab_size}"
-        )
+    check_in_vocab(ids, vocab_size, "d2t maps draft rows to target ids")
     if torch.unique(ids).numel() != ids.numel():
         raise ValueError("d2t maps two draft rows to the same target token")
     if t2d is not None:
@@ -42,6 +37,15 @@ def draft_token_ids(
         if int(mask.sum()) != ids.numel() or not bool(mask[ids].all()):
             raise ValueError("t2d and d2t disagree on which target tokens the drafter scores")
     return ids
+
+
+def check_in_vocab(ids: torch.Tensor, vocab_size: int, what: str) -> None:  # ids [D] int64
+    """Refuses ids outside 0..vocab_size - 1; `what` names them in the message."""
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.numel():
+        raise ValueError(
+            f"{what} {outside[:4].tolist()} outside the target's vocabulary of {vocab_size}"
+        )
 
 
 def scatter_draft_logits(
@@ -109,12 +113,7 @@ def read_token_map(path: str, vocab_size: int) -> torch.Tensor:  # [D] int64, as
     if value.dtype == torch.bool or not value.numel():
         raise ValueError(f"token_map {path!r} must hold at least one integer token id")
     ids = value.to(torch.int64)
-    outside = ids[(ids < 0) | (ids >= vocab_size)]
-    if outside.numel():
-        raise ValueError(
-            f"token_map {path!r} lists token ids {outside[:4].tolist()} outside the target's "
-            f"vocabulary of {vocab_size}"
-        )
+    check_in_vocab(ids, vocab_size, f"token_map {path!r} lists token ids")
     ids, counts = torch.unique(ids, return_counts=True)  # sorted
     if (counts > 1).any():
         raise ValueError(f"token_map {path!r} lists token {int(ids[counts > 1][0])} twice")
