@@ -105,11 +105,69 @@ def _top_k_merge_kernel(
     tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
 
 
-def triton_top_k(
+@triton.jit
+def _group_max_kernel(
+    x_ptr,  # [R, V], unit column stride
+    max_ptr,  # [R, num_groups] float32 out
+    stride_x,
+    vocab,
+    num_groups,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups.to(tl.int64)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    vals = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf"))
+    group_max = tl.max(vals.to(tl.float32), axis=1)
+    tl.store(max_ptr + row * num_groups + groups, group_max, mask=groups < num_groups)
+
+
+@triton.jit
+def _top_k_groups_kernel(
+    x_ptr,  # [R, V], unit column stride
+    max_ptr,  # [R, num_groups] float32, each group's maximum
+    out_vals_ptr,  # [R, k] float32
+    out_cols_ptr,  # [R, k] int64
+    stride_x,
+    vocab,
+    num_groups,
+    k,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    gs = tl.arange(0, BLOCK_G)
+    alive = gs < num_groups
+    group_max = tl.load(max_ptr + row * num_groups + gs, mask=alive, other=float("-inf"))
+    first_col = gs.to(tl.int64) * GROUP
+    # The row's top k lie in its k best groups by their maxima (see _top_k_chunk_kernel).
+    _, best_groups = _take_top(group_max, first_col, alive, k, BLOCK_K)
+    lanes = tl.arange(0, GROUP).to(tl.int64)
+    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]
+    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
+    cand = tl.load(x_ptr + row * stride_x + picked, mask=ok, other=float("-inf"))
+    top_v, top_i = _take_top(
+        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
+        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
+        tl.reshape(ok, [BLOCK_K * GROUP]),
+        k,
+        BLOCK_K,
+    )
+    ks = tl.arange(0, BLOCK_K)
+    tl.store(out_vals_ptr + row * k + ks, top_v, mask=ks < k)
+    tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
+
+
+def triton_top_k_grouped(
     x: torch.Tensor,  # [..., V]
     k: int,
+    groups_per_program: int = 256,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
-    """The k largest values of each row, largest first (ties: lowest column first)."""
+    """As triton_top_k, by another route: every group's maximum (one pass over [R, V]), then
+    one program per row takes the k best groups and the k best values of those."""
     vocab = x.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
@@ -121,14 +179,48 @@ def triton_top_k(
     out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
     out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
     if n:
-        block_v = min(CHUNK, max(GROUP, triton.next_power_of_2(vocab)))
+        num_groups = triton.cdiv(vocab, GROUP)
+        gpp = min(groups_per_program, triton.next_power_of_2(num_groups))
+        maxima = torch.empty(n, num_groups, dtype=torch.float32, device=x.device)
+        _group_max_kernel[(n, triton.cdiv(num_groups, gpp))](
+            rows, maxima, rows.stride(0), vocab, num_groups, GROUP=GROUP,
+            GROUPS_PER_PROGRAM=gpp, num_warps=4,
+        )  # fmt: skip
+        _top_k_groups_kernel[(n,)](
+            rows, maxima, out_vals, out_cols, rows.stride(0), vocab, num_groups, k, GROUP=GROUP,
+            BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_K=triton.next_power_of_2(k),
+            num_warps=num_warps,
+        )  # fmt: skip
+    return out_vals.view(*lead, k), out_cols.view(*lead, k)
+
+
+def triton_top_k(
+    x: torch.Tensor,  # [..., V]
+    k: int,
+    chunk: int = CHUNK,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
+    """The k largest values of each row, largest first (ties: lowest column first).
+    `chunk` (a power of two >= GROUP): columns per first-pass program."""
+    vocab = x.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    if n:
+        block_v = min(chunk, max(GROUP, triton.next_power_of_2(vocab)))
         chunks = triton.cdiv(vocab, block_v)
         block_k = triton.next_power_of_2(k)
         vals = torch.empty(n, chunks * k, dtype=torch.float32, device=x.device)
         cols = torch.empty(n, chunks * k, dtype=torch.int64, device=x.device)
         _top_k_chunk_kernel[(n, chunks)](
             rows, vals, cols, rows.stride(0), vocab, k, GROUP=GROUP,
-            NUM_GROUPS=block_v // GROUP, BLOCK_K=block_k, num_warps=4,
+            NUM_GROUPS=block_v // GROUP, BLOCK_K=block_k, num_warps=num_warps,
         )  # fmt: skip
         width = chunks * k
         _top_k_merge_kernel[(n,)](

@@ -278,10 +278,25 @@ class DFlashDrafter(nn.Module):
         self.draft_token_ids = ids
         self.cfg = dataclasses.replace(self.cfg, draft_vocab_size=ids.numel())
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32
+    def compute_logits(
+        self,
+        hidden: torch.Tensor,  # [R, hidden]
+        float32: bool = True,
+    ) -> torch.Tensor:  # [R, V] float32; float32=False: the head's dtype where nothing follows
+        """float32=False leaves plain head logits in the head's dtype (a ranking, DFlash2's
+        top-K, needs no float32 copy of [R, V]: its values cast exactly); logits a multiplier,
+        a cap, a gather or a scatter changes still come back in float32."""
         # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
         # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).
         logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)
+        plain = (
+            self.tp is None
+            and self.cfg.output_multiplier == 1.0
+            and not self.cfg.final_logit_softcapping
+            and self.draft_token_ids is None
+        )
+        if plain and not float32:
+            return logits
         if self.tp is not None:  # every rank's vocabulary slice, on every rank
             head_rows = self.cfg.draft_vocab_size or self.cfg.body.vocab_size
             logits = gather_logits(self.tp, logits, head_rows)

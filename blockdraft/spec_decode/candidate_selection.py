@@ -29,7 +29,9 @@ def select_drafts(
     num_reqs = temperature.shape[0]
     q_len = hidden.shape[0] // num_reqs
     blocks = hidden.view(num_reqs, q_len, -1)[:, 1:]
-    logits = drafter.compute_logits(blocks.flatten(0, 1)).view(num_reqs, q_len - 1, -1)
+    # [R, N, V] in the head's dtype: the top-K returns float32 values of its picks
+    logits = drafter.compute_logits(blocks.flatten(0, 1), float32=False)
+    logits = logits.view(num_reqs, q_len - 1, -1)
     selector = drafter.candidate_selector
     unary, candidates = get_top_k_backend(hidden.device)(logits, selector.top_k)
     projected = linear(blocks, selector.hidden_projection.weight, None)  # [R, N, r]

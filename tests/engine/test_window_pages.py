@@ -93,7 +93,7 @@ def count_held_pages(llm: LLM) -> list[int]:
 def record_draft_logits(llm: LLM) -> list[torch.Tensor]:
     drafter, logits = llm.engine.proposer.drafter, []
     compute_logits = drafter.compute_logits
-    drafter.compute_logits = lambda h: logits.append(compute_logits(h)) or logits[-1]
+    drafter.compute_logits = lambda h, **kw: logits.append(compute_logits(h, **kw)) or logits[-1]
     return logits
 
 

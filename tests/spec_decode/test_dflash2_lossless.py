@@ -76,7 +76,12 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
     drafter_module = llm.engine.proposer.drafter
     seen_logits: list[torch.Tensor] = []
     original = drafter_module.compute_logits
-    drafter_module.compute_logits = lambda h: seen_logits.append(original(h)) or seen_logits[-1]
+
+    def recording(h: torch.Tensor, **kw: object) -> torch.Tensor:
+        seen_logits.append(original(h, **kw))
+        return seen_logits[-1]
+
+    drafter_module.compute_logits = recording
     proposals = spy_proposals(llm)
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False
