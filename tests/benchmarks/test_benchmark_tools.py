@@ -402,3 +402,29 @@ def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(
     shutil.copytree(default_drafter_path(), bare, ignore=shutil.ignore_patterns("token_map.pt"))
     with pytest.raises(SystemExit, match="ships no token map"):
         token_map_bench.main(["--draft", str(bare), "--repeats", "1", "--threads", "1"])
+
+
+def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
+    tmp_path, monkeypatch
+) -> None:
+    """Three engines, a prefill time and a rate each, AR the ratios' base; the JSON the same;
+    a bad argument is refused by name."""
+    import json
+
+    import pytest
+
+    from benchmarks import never_slower
+
+    # The prompt sets install from PyPI only with the bench extras: a question stands in.
+    monkeypatch.setattr(never_slower, "load_prompt_set", lambda name, n: ["What is 3 + 4?"][:n])
+    out = never_slower.main([
+        "--sets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--repeats", "1",
+        "--threads", "1", "--json", str(tmp_path / "out.json"),
+    ])  # fmt: skip
+    rows = {r["engine"]: r for r in out["rows"]}
+    assert set(rows) == {"AR", "never drafting", "default"}
+    assert all(r["tok_s"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
+    assert rows["AR"]["vs_ar"] == 1.0
+    assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
+    with pytest.raises(SystemExit, match="--temperature"):
+        never_slower.main(["--temperature", "-1"])

@@ -1,0 +1,102 @@
+"""The default draft length against plain decoding where drafts rarely land, with the cost of
+keeping a drafter that never drafts beside them.
+
+Three engines on the same target take turns over `--repeats` passes (median): plain decoding,
+a speculative engine pinned to N = 0 (`num_speculative_tokens_by_batch` {1: 0}: what keeping
+a drafter costs by itself) and the default (`"auto"`: N chosen each step from acceptance and
+step costs). Each pass chats the same prompts one at a time, first for one token (the
+prefill, whose drafter context the speculative engines write too) and then for `--max-tokens`.
+
+    .venv/bin/python benchmarks/never_slower.py [--sets aime2025 mtbench] [--num-prompts 3]
+        [--max-tokens 64] [--temperature 1] [--repeats 5] [--threads N] [--json F]
+
+No --model: the embedded SmolLM2-135M-Instruct and its shipped drafter. Prompts: the first
+`--num-prompts` of each `blockdraft bench` set named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import hardware, now, print_table  # noqa: E402
+from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.bench import PROMPT_SETS, load_prompt_set  # noqa: E402
+
+
+def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
+    """Seconds for the prompts, one at a time, and the tokens they produced."""
+    tokens, t0 = 0, now()
+    for prompt in prompts:
+        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+        tokens += len(out.outputs[0].token_ids)
+    return now() - t0, tokens
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--sets", nargs="+", choices=sorted(PROMPT_SETS), default=["aime2025", "mtbench"]
+    )
+    ap.add_argument("--num-prompts", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (unset: the default)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if min(args.num_prompts, args.max_tokens, args.repeats) < 1:
+        raise SystemExit("--num-prompts, --max-tokens and --repeats must be >= 1")
+    if args.temperature < 0:
+        raise SystemExit("--temperature must be >= 0")
+    common = {"model": args.model, "num_threads": args.threads}
+    never = {"method": "dflash", "model": args.draft, "num_speculative_tokens_by_batch": {1: 0}}
+    engines = {
+        "AR": LLM(speculative_config=None, **common),
+        "never drafting": LLM(speculative_config=never, **common),
+        "default": LLM(speculative_config={"method": "dflash", "model": args.draft}, **common),
+    }
+    prompts = [p for name in args.sets for p in load_prompt_set(name, args.num_prompts)]
+    seeded = {"temperature": args.temperature, "seed": 0}
+    prefill = SamplingParams(max_tokens=1, **seeded)
+    whole = SamplingParams(max_tokens=args.max_tokens, **seeded)
+    for llm in engines.values():  # warm-up
+        one_pass(llm, prompts[:1], SamplingParams(max_tokens=4, **seeded))
+    passes: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    for _ in tqdm(range(args.repeats), desc="passes"):
+        for name, llm in engines.items():
+            prefill_s, _ = one_pass(llm, prompts, prefill)
+            seconds, tokens = one_pass(llm, prompts, whole)
+            passes[name].append((prefill_s / len(prompts), tokens / seconds))
+    ar = statistics.median(r for _, r in passes["AR"])
+    rows, result = [], {"hardware": hardware(), "date": str(datetime.date.today()), "rows": []}
+    for name, runs in passes.items():
+        prefill_ms = statistics.median(p for p, _ in runs) * 1e3
+        rate = statistics.median(r for _, r in runs)
+        rows.append([name, f"{prefill_ms:.1f}", f"{rate:.2f}", f"{rate / ar:.3f}"])
+        result["rows"].append(
+            {"engine": name, "prefill_ms": prefill_ms, "tok_s": rate, "vs_ar": rate / ar}
+        )
+    print_table(
+        f"{' + '.join(args.sets)}, {len(prompts)} prompts x {args.max_tokens} tokens, "
+        f"T = {args.temperature:g}, median of {args.repeats} passes ({hardware()})",
+        ["engine", "prefill ms a prompt", "tok/s", "vs AR"],
+        rows,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
