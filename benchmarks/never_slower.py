@@ -32,13 +32,15 @@ from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import PROMPT_SETS, load_prompt_set  # noqa: E402
 
 
-def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
-    """Seconds for the prompts, one at a time, and the tokens they produced."""
-    tokens, t0 = 0, now()
+def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[int]]:
+    """Seconds for the prompts, one at a time, the tokens they produced and the acceptance
+    length of every verify step (a step at N = 0 appends one token and verifies nothing)."""
+    tokens, lengths, t0 = 0, [], now()
     for prompt in prompts:
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
         tokens += len(out.outputs[0].token_ids)
-    return now() - t0, tokens
+        lengths += out.spec_accept_lengths
+    return now() - t0, tokens, lengths
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,24 +75,35 @@ def main(argv: list[str] | None = None) -> dict:
     for llm in engines.values():  # warm-up
         one_pass(llm, prompts[:1], SamplingParams(max_tokens=4, **seeded))
     passes: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
+    steps = dict.fromkeys(engines, 0)  # decode steps over all passes
+    verifies: dict[str, list[int]] = {name: [] for name in engines}
     for _ in tqdm(range(args.repeats), desc="passes"):
         for name, llm in engines.items():
-            prefill_s, _ = one_pass(llm, prompts, prefill)
-            seconds, tokens = one_pass(llm, prompts, whole)
+            prefill_s, _, _ = one_pass(llm, prompts, prefill)
+            seconds, tokens, lengths = one_pass(llm, prompts, whole)
             passes[name].append((prefill_s / len(prompts), tokens / seconds))
+            # the first token of each request comes from its prefill
+            steps[name] += tokens - len(prompts) - sum(lengths) + len(lengths)
+            verifies[name] += lengths
     ar = statistics.median(r for _, r in passes["AR"])
     rows, result = [], {"hardware": hardware(), "date": str(datetime.date.today()), "rows": []}
     for name, runs in passes.items():
         prefill_ms = statistics.median(p for p, _ in runs) * 1e3
         rate = statistics.median(r for _, r in runs)
-        rows.append([name, f"{prefill_ms:.1f}", f"{rate:.2f}", f"{rate / ar:.3f}"])
-        result["rows"].append(
-            {"engine": name, "prefill_ms": prefill_ms, "tok_s": rate, "vs_ar": rate / ar}
-        )
+        drafting = len(verifies[name]) / max(steps[name], 1)
+        tau = sum(verifies[name]) / len(verifies[name]) if verifies[name] else 0.0
+        rows.append([
+            name, f"{prefill_ms:.1f}", f"{rate:.2f}", f"{rate / ar:.3f}", f"{drafting:.1%}",
+            f"{tau:.2f}" if tau else "-",
+        ])  # fmt: skip
+        result["rows"].append({
+            "engine": name, "prefill_ms": prefill_ms, "tok_s": rate, "vs_ar": rate / ar,
+            "drafting_steps": drafting, "tau": tau,
+        })  # fmt: skip
     print_table(
         f"{' + '.join(args.sets)}, {len(prompts)} prompts x {args.max_tokens} tokens, "
         f"T = {args.temperature:g}, median of {args.repeats} passes ({hardware()})",
-        ["engine", "prefill ms a prompt", "tok/s", "vs AR"],
+        ["engine", "prefill ms a prompt", "tok/s", "vs AR", "steps drafting", "tau"],
         rows,
     )
     if args.json:

@@ -424,7 +424,8 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     rows = {r["engine"]: r for r in out["rows"]}
     assert set(rows) == {"AR", "never drafting", "default"}
     assert all(r["tok_s"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
-    assert rows["AR"]["vs_ar"] == 1.0
+    assert rows["AR"]["vs_ar"] == 1.0 and rows["AR"]["drafting_steps"] == 0
+    assert rows["never drafting"]["drafting_steps"] == 0 == rows["never drafting"]["tau"]
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
     with pytest.raises(SystemExit, match="--temperature"):
         never_slower.main(["--temperature", "-1"])
