@@ -21,7 +21,7 @@ import triton.language as tl
 
 from blockdraft.kernels.triton_sampling import BIG_INDEX
 
-CHUNK = 4096  # columns per first-pass program
+CHUNK = 8192  # columns per first-pass program (4096: 10-18% slower at 128-480 rows on an H100)
 GROUP = 32  # columns per group: the first pass ranks the groups by their maxima first
 
 
