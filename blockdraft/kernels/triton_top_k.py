@@ -160,6 +160,21 @@ def _top_k_groups_kernel(
     tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
 
 
+def _rows_and_outputs(
+    x: torch.Tensor,  # [..., V]
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # rows [R, V], values [R, k], columns
+    vocab = x.shape[-1]
+    if not 1 <= k <= vocab:
+        raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
+    rows = x.reshape(-1, vocab)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
+    return rows, out_vals, torch.empty(n, k, dtype=torch.int64, device=x.device)
+
+
 def triton_top_k_grouped(
     x: torch.Tensor,  # [..., V]
     k: int,
@@ -168,16 +183,8 @@ def triton_top_k_grouped(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
     """As triton_top_k, by another route: every group's maximum (one pass over [R, V]), then
     one program per row takes the k best groups and the k best values of those."""
-    vocab = x.shape[-1]
-    if not 1 <= k <= vocab:
-        raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, vocab)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n = rows.shape[0]
-    out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
-    out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    rows, out_vals, out_cols = _rows_and_outputs(x, k)
+    n, vocab = rows.shape
     if n:
         num_groups = triton.cdiv(vocab, GROUP)
         gpp = min(groups_per_program, triton.next_power_of_2(num_groups))
@@ -191,7 +198,7 @@ def triton_top_k_grouped(
             BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_K=triton.next_power_of_2(k),
             num_warps=num_warps,
         )  # fmt: skip
-    return out_vals.view(*lead, k), out_cols.view(*lead, k)
+    return out_vals.view(*x.shape[:-1], k), out_cols.view(*x.shape[:-1], k)
 
 
 def triton_top_k(
@@ -202,16 +209,8 @@ def triton_top_k(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
     """The k largest values of each row, largest first (ties: lowest column first).
     `chunk` (a power of two >= GROUP): columns per first-pass program."""
-    vocab = x.shape[-1]
-    if not 1 <= k <= vocab:
-        raise ValueError(f"top-k needs 1 <= k <= {vocab} (the row length), got k={k}")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, vocab)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n = rows.shape[0]
-    out_vals = torch.empty(n, k, dtype=torch.float32, device=x.device)
-    out_cols = torch.empty(n, k, dtype=torch.int64, device=x.device)
+    rows, out_vals, out_cols = _rows_and_outputs(x, k)
+    n, vocab = rows.shape
     if n:
         block_v = min(chunk, max(GROUP, triton.next_power_of_2(vocab)))
         chunks = triton.cdiv(vocab, block_v)
@@ -227,4 +226,4 @@ def triton_top_k(
             vals, cols, out_vals, out_cols, width, k,
             BLOCK_W=triton.next_power_of_2(width), BLOCK_K=block_k, num_warps=4,
         )  # fmt: skip
-    return out_vals.view(*lead, k), out_cols.view(*lead, k)
+    return out_vals.view(*x.shape[:-1], k), out_cols.view(*x.shape[:-1], k)
