@@ -176,8 +176,9 @@ class DFlashProposer:
             return tokens, dense_draft_probs(candidates, q, vocab)
         hidden = self.run_block(inputs, num_reqs, block_tables, max_seq_len, context)
         draft_hidden = hidden[: num_reqs * (n + 1)].view(num_reqs, n + 1, -1)[:, 1:]
-        logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1)).view(num_reqs, n, -1)
-        return sample_drafts(logits, st)
+        # All greedy: the argmax of the head's own logits (no float32 copy of [R * N, V])
+        logits = self.drafter.compute_logits(draft_hidden.flatten(0, 1), float32=not st.all_greedy)
+        return sample_drafts(logits.view(num_reqs, n, -1), st)
 
     def capture_graphs(
         self,

@@ -158,7 +158,7 @@ def run(target: Path, drafter: Path, prompt: list[int]):
     llm = LLM(str(target), speculative_config=spec(drafter))
     d, seen, drafts = llm.engine.proposer.drafter, [], []
     original, propose = d.compute_logits, llm.engine.proposer.propose
-    d.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    d.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
     llm.engine.proposer.propose = lambda *a, **k: drafts.append(propose(*a, **k)) or drafts[-1]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]

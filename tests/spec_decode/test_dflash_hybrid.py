@@ -92,7 +92,9 @@ def assert_first_drafts_match_zlab(target: Path, drafter: Path, prompt: list[int
     llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
     seen: list[torch.Tensor] = []
     original = llm.engine.proposer.drafter.compute_logits
-    llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    llm.engine.proposer.drafter.compute_logits = lambda h, **kw: (
+        seen.append(original(h, **kw)) or seen[-1]
+    )
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
 

@@ -66,7 +66,7 @@ def test_matches_zlab_reference(tmp_path: Path, kind: str, rng) -> None:
     seen: list[torch.Tensor] = []
     drafter_model = llm.engine.proposer.drafter
     original = drafter_model.compute_logits
-    drafter_model.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    drafter_model.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
     assert (seen[0] - ref_logits).abs().max() / ref_logits.abs().max() < 1e-4

@@ -83,7 +83,9 @@ def test_proposals_are_the_full_drafters_argmax_over_the_draft_vocab(pairs, rng)
         llm = LLM(str(target), speculative_config=spec(path, 7))
         d = drafters[kind] = llm.engine.proposer.drafter
         original, seen[kind] = d.compute_logits, []
-        d.compute_logits = lambda h, _o=original, _s=seen[kind]: _s.append(_o(h)) or _s[-1]
+        d.compute_logits = lambda h, _o=original, _s=seen[kind], **kw: (
+            _s.append(_o(h, **kw)) or _s[-1]
+        )
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)
     assert drafters["reduced"].cfg.target_layer_ids == drafters["full"].cfg.target_layer_ids

@@ -67,7 +67,7 @@ def random_map(rng: torch.Generator, vocab: int, size: int) -> list[int]:
 def spy_logits(llm: LLM) -> list[torch.Tensor]:
     drafter, seen = llm.engine.proposer.drafter, []
     original = drafter.compute_logits
-    drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    drafter.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
     return seen
 
 

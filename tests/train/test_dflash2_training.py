@@ -234,7 +234,7 @@ def test_trained_checkpoint_loads_in_zlab_and_engine(
     drafter = llm.engine.proposer.drafter
     seen: list[torch.Tensor] = []
     original = drafter.compute_logits
-    drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    drafter.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
     proposals = spy_proposals(llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)

@@ -485,7 +485,9 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(
     )
     seen: list[torch.Tensor] = []
     original = llm.engine.proposer.drafter.compute_logits
-    llm.engine.proposer.drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    llm.engine.proposer.drafter.compute_logits = lambda h, **kw: (
+        seen.append(original(h, **kw)) or seen[-1]
+    )
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert (seen[0] - ref).abs().max() / ref.abs().max() < 1e-4
     assert result.eval_acceptance_length is not None and result.eval_acceptance_length >= 1.0
