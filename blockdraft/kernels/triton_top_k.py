@@ -41,6 +41,24 @@ def _take_top(vals, cols, alive, k, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _top_of_best_groups(
+    row_ptr, group_max, first_col, alive, vocab, k, GROUP: tl.constexpr, BLOCK_K: tl.constexpr
+):  # -> the k best values of the k groups with the best maxima, and their columns
+    _, best_groups = _take_top(group_max, first_col, alive, k, BLOCK_K)
+    lanes = tl.arange(0, GROUP).to(tl.int64)
+    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]; BIG_INDEX rows unused
+    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
+    cand = tl.load(row_ptr + picked, mask=ok, other=float("-inf"))
+    return _take_top(
+        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
+        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
+        tl.reshape(ok, [BLOCK_K * GROUP]),
+        k,
+        BLOCK_K,
+    )
+
+
+@triton.jit
 def _top_k_chunk_kernel(
     x_ptr,  # [R, V], unit column stride
     vals_ptr,  # [R, num_chunks * k] float32 out
@@ -64,16 +82,8 @@ def _top_k_chunk_kernel(
     # values, instead of k rounds over the whole chunk.
     group_max = tl.max(vals.to(tl.float32), axis=1)
     first_col = start + groups * GROUP
-    _, best_groups = _take_top(group_max, first_col, first_col < vocab, k, BLOCK_K)
-    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]; BIG_INDEX rows unused
-    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
-    cand = tl.load(x_ptr + row * stride_x + picked, mask=ok, other=float("-inf"))
-    top_v, top_i = _take_top(
-        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
-        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
-        tl.reshape(ok, [BLOCK_K * GROUP]),
-        k,
-        BLOCK_K,
+    top_v, top_i = _top_of_best_groups(
+        x_ptr + row * stride_x, group_max, first_col, first_col < vocab, vocab, k, GROUP, BLOCK_K
     )
     ks = tl.arange(0, BLOCK_K)
     out = row * tl.num_programs(1) * k + chunk * k + ks
@@ -143,17 +153,8 @@ def _top_k_groups_kernel(
     group_max = tl.load(max_ptr + row * num_groups + gs, mask=alive, other=float("-inf"))
     first_col = gs.to(tl.int64) * GROUP
     # The row's top k lie in its k best groups by their maxima (see _top_k_chunk_kernel).
-    _, best_groups = _take_top(group_max, first_col, alive, k, BLOCK_K)
-    lanes = tl.arange(0, GROUP).to(tl.int64)
-    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]
-    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
-    cand = tl.load(x_ptr + row * stride_x + picked, mask=ok, other=float("-inf"))
-    top_v, top_i = _take_top(
-        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
-        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
-        tl.reshape(ok, [BLOCK_K * GROUP]),
-        k,
-        BLOCK_K,
+    top_v, top_i = _top_of_best_groups(
+        x_ptr + row * stride_x, group_max, first_col, alive, vocab, k, GROUP, BLOCK_K
     )
     ks = tl.arange(0, BLOCK_K)
     tl.store(out_vals_ptr + row * k + ks, top_v, mask=ks < k)
