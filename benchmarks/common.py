@@ -44,6 +44,16 @@ def hardware() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
+def add_turn_taking_args(ap: object) -> None:
+    """The arguments of the scripts whose engines take turns over passes on one target:
+    --repeats, --threads, --model, --draft, --json."""
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (unset: the default)")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft", default="default")
+    ap.add_argument("--json", default=None)
+
+
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
     cells = [[str(c) for c in header]] + [
         [f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows

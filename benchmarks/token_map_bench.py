@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import hardware, now, print_table  # noqa: E402
+from benchmarks.common import add_turn_taking_args, hardware, now, print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import load_prompt_set  # noqa: E402
 
@@ -45,11 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--num-drafts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads (unset: the default)")
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default="default")
-    ap.add_argument("--json", default=None)
+    add_turn_taking_args(ap)
     args = ap.parse_args(argv)
     if min(args.num_drafts, args.max_tokens, args.repeats) < 1:
         raise SystemExit("--num-drafts, --max-tokens and --repeats must be >= 1")
