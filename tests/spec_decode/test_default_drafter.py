@@ -120,7 +120,7 @@ def test_zlab_agrees_on_the_shipped_drafter(target_hf_dir: Path) -> None:
     seen: list[torch.Tensor] = []
     drafter = llm.engine.proposer.drafter
     original = drafter.compute_logits
-    drafter.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    drafter.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
     max_new = 32
     params = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
