@@ -27,20 +27,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import add_turn_taking_args, hardware, now, print_table  # noqa: E402
+from benchmarks.common import add_turn_taking_args, chat_pass, hardware, print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import PROMPT_SETS, load_prompt_set  # noqa: E402
-
-
-def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[int]]:
-    """Seconds for the prompts, one at a time, the tokens they produced and the acceptance
-    length of every verify step (a step at N = 0 appends one token and verifies nothing)."""
-    tokens, lengths, t0 = 0, [], now()
-    for prompt in prompts:
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        tokens += len(out.outputs[0].token_ids)
-        lengths += out.spec_accept_lengths
-    return now() - t0, tokens, lengths
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -69,14 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
     prefill = SamplingParams(max_tokens=1, **seeded)
     whole = SamplingParams(max_tokens=args.max_tokens, **seeded)
     for llm in engines.values():  # warm-up
-        one_pass(llm, prompts[:1], SamplingParams(max_tokens=4, **seeded))
+        chat_pass(llm, prompts[:1], SamplingParams(max_tokens=4, **seeded))
     passes: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     steps = dict.fromkeys(engines, 0)  # decode steps over all passes
     verifies: dict[str, list[int]] = {name: [] for name in engines}
     for _ in tqdm(range(args.repeats), desc="passes"):
         for name, llm in engines.items():
-            prefill_s, _, _ = one_pass(llm, prompts, prefill)
-            seconds, tokens, lengths = one_pass(llm, prompts, whole)
+            prefill_s, _, _ = chat_pass(llm, prompts, prefill)
+            seconds, tokens, lengths = chat_pass(llm, prompts, whole)
             passes[name].append((prefill_s / len(prompts), tokens / seconds))
             # the first token of each request comes from its prefill
             steps[name] += tokens - len(prompts) - sum(lengths) + len(lengths)

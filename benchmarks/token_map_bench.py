@@ -26,19 +26,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import add_turn_taking_args, hardware, now, print_table  # noqa: E402
+from benchmarks.common import add_turn_taking_args, chat_pass, hardware, print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import load_prompt_set  # noqa: E402
 
 
 def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, float]:
     """tok/s over the prompts, one at a time, and tau (0 without a drafter)."""
-    tokens, lengths, t0 = 0, [], now()
-    for prompt in prompts:
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        tokens += len(out.outputs[0].token_ids)
-        lengths += out.spec_accept_lengths
-    return tokens / (now() - t0), (sum(lengths) / len(lengths) if lengths else 0.0)
+    seconds, tokens, lengths = chat_pass(llm, prompts, params)
+    return tokens / seconds, (sum(lengths) / len(lengths) if lengths else 0.0)
 
 
 def main(argv: list[str] | None = None) -> dict:
