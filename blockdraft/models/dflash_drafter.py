@@ -289,14 +289,14 @@ class DFlashDrafter(nn.Module):
         # Through the skinny GEMM on a GPU, as the target's head: the block's <= 16 rows read
         # 1.24 GB on Qwen3-8B shapes in 279 us against cuBLAS's 289 (gemv_bench, M = 16).
         logits = linear(hidden, self.lm_head.weight, self.lm_head.bias)
-        plain = (
-            self.tp is None
+        if (
+            not float32
+            and self.tp is None
             and self.cfg.output_multiplier == 1.0
             and not self.cfg.final_logit_softcapping
             and self.draft_token_ids is None
-        )
-        if plain and not float32:
-            return logits
+        ):
+            return logits  # nothing below would change them but their dtype
         if self.tp is not None:  # every rank's vocabulary slice, on every rank
             head_rows = self.cfg.draft_vocab_size or self.cfg.body.vocab_size
             logits = gather_logits(self.tp, logits, head_rows)
