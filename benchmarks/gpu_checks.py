@@ -94,12 +94,13 @@ def main() -> None:
         if not same:
             print(f"    expected {expected}\n    got      {got}")
 
+    two_layers = {"target_layer_ids": [0, 1]}  # z-lab's default needs more target layers
     graph_cases = [
         ("hybrid", hybrid, None),
         ("hybrid + DFlash", hybrid, drafters["hybrid"]),
         ("hybrid MoE + DFlash", hybrid_moe, drafters["hybrid_moe"]),
         ("qwen3 + DFlash", qwen3, drafters["qwen3"]),
-        ("qwen3 + DFlash2", qwen3, make_dflash2_drafter(root / "d2_qwen3", qwen3)),
+        ("qwen3 + DFlash2", qwen3, make_dflash2_drafter(root / "d2_qwen3", qwen3, **two_layers)),
     ]
     for name, target, drafter in graph_cases:
         eager = generate(target, drafter, prompts, enforce_eager=True)

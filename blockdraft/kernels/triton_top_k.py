@@ -5,12 +5,12 @@ lowest column, which torch leaves unspecified, so on tied values the two may pic
 columns of equal value. DFlash2's candidate selector takes K ~16 of ~150k logits for each draft
 position: torch's radix select costs ~40 us there, several passes over [R, V].
 
-`_top_k_chunk_kernel`, one program per (row, chunk of CHUNK columns), takes the K groups of
-GROUP columns with the best maxima, then the K best values of those groups, each by K rounds
-of (max, lowest column holding it); `_top_k_merge_kernel`, one program per row, takes the K
-best of the chunks' candidates the same way. Every round picks the largest
-value left and, among equal values, the lowest column, so the row's top K under that order are
-among the chunks' (each chunk keeps its own top K under the same order).
+`_group_max_kernel` takes every group of GROUP columns' maximum in one pass over [R, V];
+`_top_k_groups_kernel`, one program per row, takes the K groups with the best maxima, then the
+K best values of those groups, each by K rounds of (max, lowest column holding it). A group's
+maximum precedes every other value of the group in that order, so the row's top K lie in its K
+best groups. Two passes over few bytes beat per-chunk top Ks merged afterwards: the chunks' K
+rounds over their groups serialise where this pass only reads.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import triton.language as tl
 
 from blockdraft.kernels.triton_sampling import BIG_INDEX
 
-CHUNK = 8192  # columns per first-pass program (4096: 10-18% slower at 128-480 rows on an H100)
 GROUP = 32  # columns per group: the first pass ranks the groups by their maxima first
 
 
@@ -56,63 +55,6 @@ def _top_of_best_groups(
         k,
         BLOCK_K,
     )
-
-
-@triton.jit
-def _top_k_chunk_kernel(
-    x_ptr,  # [R, V], unit column stride
-    vals_ptr,  # [R, num_chunks * k] float32 out
-    cols_ptr,  # [R, num_chunks * k] int64 out
-    stride_x,
-    vocab,
-    k,
-    GROUP: tl.constexpr,
-    NUM_GROUPS: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    start = chunk.to(tl.int64) * (GROUP * NUM_GROUPS)
-    lanes = tl.arange(0, GROUP).to(tl.int64)
-    groups = tl.arange(0, NUM_GROUPS).to(tl.int64)
-    cols = start + groups[:, None] * GROUP + lanes[None, :]  # [NUM_GROUPS, GROUP]
-    vals = tl.load(x_ptr + row * stride_x + cols, mask=cols < vocab, other=float("-inf"))
-    # The chunk's top k lie in its k best groups by their maxima (a group's maximum precedes
-    # every other value of it in the order): rounds over the maxima, then over those groups'
-    # values, instead of k rounds over the whole chunk.
-    group_max = tl.max(vals.to(tl.float32), axis=1)
-    first_col = start + groups * GROUP
-    top_v, top_i = _top_of_best_groups(
-        x_ptr + row * stride_x, group_max, first_col, first_col < vocab, vocab, k, GROUP, BLOCK_K
-    )
-    ks = tl.arange(0, BLOCK_K)
-    out = row * tl.num_programs(1) * k + chunk * k + ks
-    tl.store(vals_ptr + out, top_v, mask=ks < k)
-    tl.store(cols_ptr + out, top_i, mask=ks < k)
-
-
-@triton.jit
-def _top_k_merge_kernel(
-    vals_ptr,  # [R, width] float32
-    cols_ptr,  # [R, width] int64
-    out_vals_ptr,  # [R, k] float32
-    out_cols_ptr,  # [R, k] int64
-    width,
-    k,
-    BLOCK_W: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_W)
-    ok = offs < width
-    vals = tl.load(vals_ptr + row * width + offs, mask=ok, other=float("-inf"))
-    cols = tl.load(cols_ptr + row * width + offs, mask=ok, other=BIG_INDEX)
-    # A chunk shorter than k filled its tail with column BIG_INDEX: never taken while a real
-    # column is left, which vocab >= k guarantees.
-    top_v, top_i = _take_top(vals, cols, ok & (cols < BIG_INDEX), k, BLOCK_K)
-    ks = tl.arange(0, BLOCK_K)
-    tl.store(out_vals_ptr + row * k + ks, top_v, mask=ks < k)
-    tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
 
 
 @triton.jit
@@ -152,7 +94,7 @@ def _top_k_groups_kernel(
     alive = gs < num_groups
     group_max = tl.load(max_ptr + row * num_groups + gs, mask=alive, other=float("-inf"))
     first_col = gs.to(tl.int64) * GROUP
-    # The row's top k lie in its k best groups by their maxima (see _top_k_chunk_kernel).
+    # The row's top k lie in its k best groups by their maxima (see the module's docstring).
     top_v, top_i = _top_of_best_groups(
         x_ptr + row * stride_x, group_max, first_col, alive, vocab, k, GROUP, BLOCK_K
     )
@@ -176,14 +118,14 @@ def _rows_and_outputs(
     return rows, out_vals, torch.empty(n, k, dtype=torch.int64, device=x.device)
 
 
-def triton_top_k_grouped(
+def triton_top_k(
     x: torch.Tensor,  # [..., V]
     k: int,
     groups_per_program: int = 256,
     num_warps: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
-    """As triton_top_k, by another route: every group's maximum (one pass over [R, V]), then
-    one program per row takes the k best groups and the k best values of those."""
+    """The k largest values of each row, largest first (ties: lowest column first).
+    `groups_per_program`: groups a first-pass program takes the maxima of."""
     rows, out_vals, out_cols = _rows_and_outputs(x, k)
     n, vocab = rows.shape
     if n:
@@ -198,33 +140,5 @@ def triton_top_k_grouped(
             rows, maxima, out_vals, out_cols, rows.stride(0), vocab, num_groups, k, GROUP=GROUP,
             BLOCK_G=triton.next_power_of_2(num_groups), BLOCK_K=triton.next_power_of_2(k),
             num_warps=num_warps,
-        )  # fmt: skip
-    return out_vals.view(*x.shape[:-1], k), out_cols.view(*x.shape[:-1], k)
-
-
-def triton_top_k(
-    x: torch.Tensor,  # [..., V]
-    k: int,
-    chunk: int = CHUNK,
-    num_warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
-    """The k largest values of each row, largest first (ties: lowest column first).
-    `chunk` (a power of two >= GROUP): columns per first-pass program."""
-    rows, out_vals, out_cols = _rows_and_outputs(x, k)
-    n, vocab = rows.shape
-    if n:
-        block_v = min(chunk, max(GROUP, triton.next_power_of_2(vocab)))
-        chunks = triton.cdiv(vocab, block_v)
-        block_k = triton.next_power_of_2(k)
-        vals = torch.empty(n, chunks * k, dtype=torch.float32, device=x.device)
-        cols = torch.empty(n, chunks * k, dtype=torch.int64, device=x.device)
-        _top_k_chunk_kernel[(n, chunks)](
-            rows, vals, cols, rows.stride(0), vocab, k, GROUP=GROUP,
-            NUM_GROUPS=block_v // GROUP, BLOCK_K=block_k, num_warps=num_warps,
-        )  # fmt: skip
-        width = chunks * k
-        _top_k_merge_kernel[(n,)](
-            vals, cols, out_vals, out_cols, width, k,
-            BLOCK_W=triton.next_power_of_2(width), BLOCK_K=block_k, num_warps=4,
         )  # fmt: skip
     return out_vals.view(*x.shape[:-1], k), out_cols.view(*x.shape[:-1], k)

@@ -7,48 +7,45 @@ import pytest
 import torch
 
 from blockdraft.kernels.top_k import top_k_torch
-from blockdraft.kernels.triton_top_k import CHUNK, triton_top_k, triton_top_k_grouped
+from blockdraft.kernels.triton_top_k import GROUP, triton_top_k
 
 from kernel_inputs import DEVICE, needs_triton, randn
 
 pytestmark = needs_triton
 
 
-ROUTES = {"chunks": triton_top_k, "groups": triton_top_k_grouped}
+WIDE = 256 * GROUP  # one first-pass program's groups
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize(
     ("rows", "vocab", "k"),
-    [(3, 2 * CHUNK + 77, 16), (5, 300, 5), (1, 7, 7), (4, CHUNK, 1), (2, CHUNK + 3, 13)],
+    [(3, 2 * WIDE + 77, 16), (5, 300, 5), (1, 7, 7), (4, WIDE, 1), (2, WIDE + 3, 13)],
 )
-def test_top_k_equals_torch(rng, route: str, rows: int, vocab: int, k: int) -> None:
+def test_top_k_equals_torch(rng, rows: int, vocab: int, k: int) -> None:
     x = randn(rng, rows, vocab) * 3
-    values, columns = ROUTES[route](x, k)
+    values, columns = triton_top_k(x, k)
     want_values, want_columns = top_k_torch(x, k)
     assert torch.equal(columns, want_columns) and torch.equal(values, want_values)
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
-def test_ties_take_the_lowest_columns(rng, route: str) -> None:
-    """Few distinct values over two chunks, -inf among them: the values equal torch's, the
-    columns are a stable descending sort's."""
-    vocab, k = CHUNK + 500, 12
+def test_ties_take_the_lowest_columns(rng) -> None:
+    """Few distinct values over two first-pass programs, -inf among them: the values equal
+    torch's, the columns are a stable descending sort's."""
+    vocab, k = WIDE + 500, 12
     x = torch.randint(-3, 3, (2, 3, vocab), generator=rng).float().to(DEVICE)
     x[0, 0, ::3] = float("-inf")
-    x[1, 2, CHUNK - 2 : CHUNK + 30] = 9.0  # ties across the chunk boundary
-    values, columns = ROUTES[route](x, k)
+    x[1, 2, WIDE - 2 : WIDE + 30] = 9.0  # ties across the programs' boundary
+    values, columns = triton_top_k(x, k)
     assert values.shape == columns.shape == (2, 3, k)
     assert torch.equal(values, top_k_torch(x, k)[0])
     assert torch.equal(columns, torch.sort(x, dim=-1, descending=True, stable=True)[1][..., :k])
 
 
-@pytest.mark.parametrize("route", sorted(ROUTES))
-def test_bfloat16_rows_and_bad_k(rng, route: str) -> None:
+def test_bfloat16_rows_and_bad_k(rng) -> None:
     x = randn(rng, 4, 1000, dtype=torch.bfloat16)
-    values, columns = ROUTES[route](x, 8)
+    values, columns = triton_top_k(x, 8)
     assert values.dtype == torch.float32
     stable = torch.sort(x.float(), dim=-1, descending=True, stable=True)[1]
     assert torch.equal(columns, stable[:, :8])
     with pytest.raises(ValueError, match="1 <= k <= 1000"):
-        ROUTES[route](x, 1001)
+        triton_top_k(x, 1001)
