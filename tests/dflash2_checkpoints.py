@@ -101,20 +101,6 @@ def load_zlab_dflash2_strict(drafter_dir: Path):
     return model.float().eval()
 
 
-def spy_proposals(llm) -> list[torch.Tensor]:
-    """Records the draft tokens [R, N] of every propose step of `llm`."""
-    seen: list[torch.Tensor] = []
-    propose = llm.engine.proposer.propose
-
-    def spy(*args, **kwargs):
-        tokens, probs = propose(*args, **kwargs)
-        seen.append(tokens.clone())
-        return tokens, probs
-
-    llm.engine.proposer.propose = spy
-    return seen
-
-
 def zlab2_generate(
     target_dir: Path,
     drafter_dir: Path,

@@ -16,6 +16,7 @@ from blockdraft.engine.sequence import Sequence
 from blockdraft.engine.window_pages import DrafterWindowPages, window_pages_per_seq
 
 from checkpoints import make_dflash_drafter, make_predictable_target
+from spies import spy_draft_logits
 
 WINDOW, LOOKAHEAD = 6, 4
 
@@ -90,13 +91,6 @@ def count_held_pages(llm: LLM) -> list[int]:
     return held
 
 
-def record_draft_logits(llm: LLM) -> list[torch.Tensor]:
-    drafter, logits = llm.engine.proposer.drafter, []
-    compute_logits = drafter.compute_logits
-    drafter.compute_logits = lambda h, **kw: logits.append(compute_logits(h, **kw)) or logits[-1]
-    return logits
-
-
 @pytest.fixture(scope="module")
 def dense_pair(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("window-pages")
@@ -137,7 +131,7 @@ def test_freed_pages_draft_what_kept_blocks_draft(dense_pair, rng) -> None:
         assert (pages is None) == prefix_caching
         if pages is not None:
             held = count_held_pages(llm)
-        logits = record_draft_logits(llm)
+        logits = spy_draft_logits(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.spec_accept_lengths) for o in outs])
         results.append(logits)

@@ -20,6 +20,7 @@ from checkpoints import (
     make_speculators_drafter,
 )
 from dflash2_checkpoints import make_dflash2_drafter
+from spies import spy_draft_logits, spy_proposals
 
 # z-lab name -> llama.cpp name, written out independently of the loader's table.
 GLOBAL = {
@@ -156,13 +157,10 @@ def run(target: Path, drafter: Path, prompt: list[int]):
     """(drafter, its first proposal's logits, greedy output, the LLM, its first draft tokens) of
     a speculative run."""
     llm = LLM(str(target), speculative_config=spec(drafter))
-    d, seen, drafts = llm.engine.proposer.drafter, [], []
-    original, propose = d.compute_logits, llm.engine.proposer.propose
-    d.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
-    llm.engine.proposer.propose = lambda *a, **k: drafts.append(propose(*a, **k)) or drafts[-1]
+    d, seen, drafts = llm.engine.proposer.drafter, spy_draft_logits(llm), spy_proposals(llm)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     out = llm.generate([prompt], params, use_tqdm=False)[0]
-    return d, seen[0] if seen else None, out, llm, drafts[0][0] if drafts else None
+    return d, seen[0] if seen else None, out, llm, drafts[0] if drafts else None
 
 
 @pytest.mark.parametrize("source", ["zlab", "spec"])

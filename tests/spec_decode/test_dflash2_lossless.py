@@ -12,11 +12,11 @@ from blockdraft import LLM, SamplingParams
 from checkpoints import make_predictable_target, make_qwen3_checkpoint, zlab_full_block_steps
 from dflash2_checkpoints import (
     make_dflash2_drafter,
-    spy_proposals,
     zlab2_first_step,
     zlab2_generate,
 )
 from sampling_checks import ALPHA, assert_same_token_law, seeded_samples, two_sample_pvalue
+from spies import spy_draft_logits, spy_proposals
 
 
 def spec(drafter: Path, n: int) -> dict:
@@ -73,15 +73,7 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
     llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4,
               enable_prefix_caching=kind != "sliding")  # fmt: skip
     assert (llm.engine.block_manager.window_pages is not None) == (kind == "sliding")
-    drafter_module = llm.engine.proposer.drafter
-    seen_logits: list[torch.Tensor] = []
-    original = drafter_module.compute_logits
-
-    def recording(h: torch.Tensor, **kw: object) -> torch.Tensor:
-        seen_logits.append(original(h, **kw))
-        return seen_logits[-1]
-
-    drafter_module.compute_logits = recording
+    seen_logits = spy_draft_logits(llm)
     proposals = spy_proposals(llm)
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False

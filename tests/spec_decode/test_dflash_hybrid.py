@@ -27,6 +27,7 @@ from checkpoints import (
     zlab_generate,
 )
 from sampling_checks import assert_same_token_law, seeded_samples
+from spies import spy_draft_logits
 
 # z-lab's published drafters for hybrid targets: sliding-window layers and a final full one.
 DRAFTER_LAYERS = dict(
@@ -90,11 +91,7 @@ def assert_first_drafts_match_zlab(target: Path, drafter: Path, prompt: list[int
     with zlab_hybrid_cache(8):
         ref = zlab_first_draft_logits(target, drafter, prompt)
     llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4)
-    seen: list[torch.Tensor] = []
-    original = llm.engine.proposer.drafter.compute_logits
-    llm.engine.proposer.drafter.compute_logits = lambda h, **kw: (
-        seen.append(original(h, **kw)) or seen[-1]
-    )
+    seen = spy_draft_logits(llm)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert ((seen[0] - ref).abs().max() / ref.abs().max()).item() < 1e-4
 

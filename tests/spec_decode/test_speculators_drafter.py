@@ -15,6 +15,7 @@ from checkpoints import (
     make_speculators_drafter,
 )
 from sampling_checks import assert_same_token_law, seeded_samples
+from spies import spy_draft_logits
 
 VOCAB = 128
 
@@ -81,11 +82,7 @@ def test_proposals_are_the_full_drafters_argmax_over_the_draft_vocab(pairs, rng)
     prompt = prompts(rng)[2]
     for kind, path in (("full", zlab), ("reduced", drafter)):
         llm = LLM(str(target), speculative_config=spec(path, 7))
-        d = drafters[kind] = llm.engine.proposer.drafter
-        original, seen[kind] = d.compute_logits, []
-        d.compute_logits = lambda h, _o=original, _s=seen[kind], **kw: (
-            _s.append(_o(h, **kw)) or _s[-1]
-        )
+        drafters[kind], seen[kind] = llm.engine.proposer.drafter, spy_draft_logits(llm)
         params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         llm.generate([prompt], params, use_tqdm=False)
     assert drafters["reduced"].cfg.target_layer_ids == drafters["full"].cfg.target_layer_ids

@@ -21,8 +21,9 @@ from checkpoints import (
     make_qwen3_checkpoint,
     make_speculators_drafter,
 )
-from dflash2_checkpoints import make_dflash2_drafter, spy_proposals
+from dflash2_checkpoints import make_dflash2_drafter
 from sampling_checks import assert_same_token_law, seeded_samples
+from spies import spy_proposals
 
 VOCAB = 128
 

@@ -32,9 +32,9 @@ from checkpoints import make_qwen3_checkpoint
 from dflash2_checkpoints import (
     load_zlab_dflash2_strict,
     make_dflash2_drafter,
-    spy_proposals,
     zlab2_first_step,
 )
+from spies import spy_draft_logits, spy_proposals
 
 VOCAB = 128
 SMALL = dict(selector_rank=8, selector_top_k=6)  # tiny selector for the 128-token vocabulary
@@ -231,10 +231,7 @@ def test_trained_checkpoint_loads_in_zlab_and_engine(
         "num_speculative_tokens_by_batch": None,
     }
     llm = LLM(str(target), speculative_config=spec)
-    drafter = llm.engine.proposer.drafter
-    seen: list[torch.Tensor] = []
-    original = drafter.compute_logits
-    drafter.compute_logits = lambda h, **kw: seen.append(original(h, **kw)) or seen[-1]
+    seen = spy_draft_logits(llm)
     proposals = spy_proposals(llm)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.generate([prompt], params, use_tqdm=False)

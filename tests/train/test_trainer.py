@@ -47,6 +47,7 @@ from checkpoints import (
     zlab_first_draft_logits,
 )
 from dflash2_checkpoints import load_zlab_dflash2_strict
+from spies import spy_draft_logits
 
 VOCAB = 128
 MAX_TOKENS = 48
@@ -483,11 +484,7 @@ def test_engine_and_zlab_agree_on_a_trained_checkpoint(
             "num_speculative_tokens_by_batch": None,  # drafts from the first step
         },
     )
-    seen: list[torch.Tensor] = []
-    original = llm.engine.proposer.drafter.compute_logits
-    llm.engine.proposer.drafter.compute_logits = lambda h, **kw: (
-        seen.append(original(h, **kw)) or seen[-1]
-    )
+    seen = spy_draft_logits(llm)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert (seen[0] - ref).abs().max() / ref.abs().max() < 1e-4
     assert result.eval_acceptance_length is not None and result.eval_acceptance_length >= 1.0

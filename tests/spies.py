@@ -1,0 +1,32 @@
+"""Spies on a speculative LLM's drafter: what it computed, recorded while it runs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def spy_proposals(llm) -> list[torch.Tensor]:
+    """Records the draft tokens [R, N] of every propose step of `llm`."""
+    seen: list[torch.Tensor] = []
+    propose = llm.engine.proposer.propose
+
+    def spy(*args, **kwargs):
+        tokens, probs = propose(*args, **kwargs)
+        seen.append(tokens.clone())
+        return tokens, probs
+
+    llm.engine.proposer.propose = spy
+    return seen
+
+
+def spy_draft_logits(llm) -> list[torch.Tensor]:
+    """Records every `compute_logits` result [R, V] of `llm`'s drafter."""
+    drafter, seen = llm.engine.proposer.drafter, []
+    compute_logits = drafter.compute_logits
+
+    def spy(hidden: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.append(compute_logits(hidden, **kwargs))
+        return seen[-1]
+
+    drafter.compute_logits = spy
+    return seen
