@@ -44,17 +44,6 @@ def hardware() -> str:
     return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
 
 
-def chat_pass(llm: object, prompts: list[str], params: object) -> tuple[float, int, list[int]]:
-    """Seconds to chat the prompts one at a time, the tokens they produced and the acceptance
-    length of every verify step (none without a drafter)."""
-    tokens, lengths, t0 = 0, [], now()
-    for prompt in prompts:
-        out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        tokens += len(out.outputs[0].token_ids)
-        lengths += out.spec_accept_lengths
-    return now() - t0, tokens, lengths
-
-
 def add_turn_taking_args(ap: object) -> None:
     """The arguments of the scripts whose engines take turns over passes on one target:
     --repeats, --threads, --model, --draft, --json."""

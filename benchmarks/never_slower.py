@@ -27,9 +27,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import add_turn_taking_args, chat_pass, hardware, print_table  # noqa: E402
+from benchmarks.common import add_turn_taking_args, hardware, print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
-from blockdraft.bench import PROMPT_SETS, load_prompt_set  # noqa: E402
+from blockdraft.bench import (  # noqa: E402
+    PROMPT_SETS,
+    chat_pass,
+    load_prompt_set,
+)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -79,17 +79,22 @@ class SetResult:
         return self.dflash_tok_s / self.ar_tok_s if self.ar_tok_s else 0.0
 
 
-def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[int]]:
-    """One request at a time (batch 1, as DFlash is usually reported): tok/s and the
-    acceptance lengths of every verify step."""
-    tokens, lengths, elapsed = 0, [], 0.0
+def chat_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int, list[int]]:
+    """Chats the prompts one at a time (batch 1, as DFlash is usually reported): the seconds it
+    took, the tokens produced and the acceptance length of every verify step (none without a
+    drafter)."""
+    tokens, lengths, t0 = 0, [], time.perf_counter()
     for prompt in prompts:
-        t0 = time.perf_counter()
         out = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
-        elapsed += time.perf_counter() - t0
         tokens += len(out.outputs[0].token_ids)
         lengths += out.spec_accept_lengths
-    return tokens / elapsed, lengths
+    return time.perf_counter() - t0, tokens, lengths
+
+
+def _run(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, list[int]]:
+    """`chat_pass` as tok/s and the acceptance lengths."""
+    seconds, tokens, lengths = chat_pass(llm, prompts, params)
+    return tokens / seconds, lengths
 
 
 def run_bench(
