@@ -39,20 +39,19 @@ def prologue_fits(
     return x.shape[:-1].numel() <= limit and skinny(x, *params)
 
 
-# On the CPU, F.linear of a few rows (x @ W.T) takes the BLAS's small-M path, which costs about
-# one one-row GEMV per row, while the same product as W @ x.T (the weight as the left operand,
-# as stored) streams the weight once: the 30 layers + LM head of SmolLM2-135M for 2 / 3 / 4 rows
-# took 105 / 110 / 98 ms as F.linear and 64 / 69 / 59 ms as W @ x.T on one thread, 69 / 93 / 77
-# against 27 / 33 / 27 ms on two (one row: 53 / 39 ms either way). From 24 to 256 rows the two
-# stay within ~10% on one thread and W @ x.T is 13-30% faster on two, so every CPU linear of two
-# rows or more outside autograd goes that way.
+# On the CPU a product of many rows is faster as W @ x.T (the weight as the left operand, as
+# stored) than as F.linear (x @ W.T); for a few rows F.linear's small-M path is: with torch 2.13's
+# CPU wheel, one thread, SmolLM2-135M's shapes, 2 rows of the MLP's gate_up [3072, 576] took 308
+# vs 649 us and of the LM head [49152, 576] 4.8 vs 19.1 ms, 16 rows 942 vs 688 us and 19.9 vs
+# 19.6 ms (two threads alike). Below CPU_WEIGHT_LEFT_MIN_ROWS rows the linear stays F.linear.
+CPU_WEIGHT_LEFT_MIN_ROWS = 16
 
 
 def _cpu_weight_left(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
     return (
         x.device.type == "cpu"
         and x.dim() == 2
-        and x.shape[0] > 1
+        and x.shape[0] >= CPU_WEIGHT_LEFT_MIN_ROWS
         and not needs_autograd(x, *params)
     )
 
@@ -63,8 +62,8 @@ def linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """`F.linear`, through `get_linear_backend` (the Triton skinny GEMM) for a few rows on the
-    GPU outside autograd; on the CPU, two rows or more as `weight @ x.T`; training runs
-    F.linear itself."""
+    GPU outside autograd; on the CPU, CPU_WEIGHT_LEFT_MIN_ROWS rows or more as `weight @ x.T`;
+    training runs F.linear itself."""
     if skinny(x, weight, bias):
         return get_linear_backend(x.device)(x, weight, bias)
     if _cpu_weight_left(x, weight, bias):

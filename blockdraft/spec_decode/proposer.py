@@ -146,7 +146,10 @@ class DFlashProposer:
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, block_tables
         )
         if self.selects:
-            return tuple(t[:num_reqs] for t in out)
+            # Copies: the drafts wait for the next step's verify, and the target graphs
+            # replayed before it may reuse this graph's output memory (one pool, see
+            # engine/cuda_graphs.py). DFlash's hidden rows are sampled from at once.
+            return tuple(t[:num_reqs].clone() for t in out)
         return out[:rows]
 
     def propose(

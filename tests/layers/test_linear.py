@@ -53,7 +53,7 @@ def test_decoder_linear_skips_the_skinny_gemm_on_cpu_and_under_autograd(
     set_policy(backend="triton")
     x, w, b = inputs(rng, 3, 20, 24, torch.float32, bias=True, strided=False)
     x, w, b = x.cpu(), w.cpu(), b.cpu()
-    # On the CPU: F.linear's product (as weight @ x.T), even with the Triton backend forced.
+    # On the CPU: F.linear's product, even with the Triton backend forced.
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
     # Under autograd, on the skinny GEMM's device too: the kernel has no backward.
@@ -101,9 +101,9 @@ def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_rows_past_the_first_take_the_weight_as_left_operand(bias: bool, rng) -> None:
-    """On the CPU, 2+ rows outside autograd: F.linear's product as `weight @ x.T` (contiguous,
-    bias added); one row and autograd take F.linear itself."""
+def test_cpu_many_rows_take_the_weight_as_left_operand(bias: bool, rng) -> None:
+    """On the CPU, CPU_WEIGHT_LEFT_MIN_ROWS+ rows outside autograd: F.linear's product as
+    `weight @ x.T` (contiguous, bias added); fewer rows and autograd take F.linear itself."""
     out, k = (int(v) for v in torch.randint(1, 300, (2,), generator=rng))
     w = torch.randn(out, k, generator=rng)
     b = torch.randn(out, generator=rng) if bias else None
@@ -114,8 +114,10 @@ def test_cpu_rows_past_the_first_take_the_weight_as_left_operand(bias: bool, rng
         calls.append(1)
         return real(*args)
 
-    rows = int(torch.randint(2, 300, (1,), generator=rng))
-    for n, by_f_linear in ((1, True), (2, False), (rows, False)):
+    least = linear_layer.CPU_WEIGHT_LEFT_MIN_ROWS
+    few = int(torch.randint(1, least, (1,), generator=rng))
+    many = int(torch.randint(least, 300, (1,), generator=rng))
+    for n, by_f_linear in ((1, True), (few, True), (least, False), (many, False)):
         x = torch.randn(n, k, generator=rng)
         calls.clear()
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
