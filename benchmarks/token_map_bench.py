@@ -28,10 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_turn_taking_args, hardware, print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
-from blockdraft.bench import (
-    chat_pass,
-    load_prompt_set,  # noqa: E402
-)
+from blockdraft.bench import chat_pass, load_prompt_set  # noqa: E402
 
 
 def one_pass(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, float]:

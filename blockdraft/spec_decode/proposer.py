@@ -146,10 +146,11 @@ class DFlashProposer:
             inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens, block_tables
         )
         if self.selects:
-            # Copies: the drafts wait for the next step's verify, and the target graphs
+            tokens, candidates, q = (t[:num_reqs] for t in out)
+            # A copy of the drafts: they wait for the next step's verify, and the target graphs
             # replayed before it may reuse this graph's output memory (one pool, see
-            # engine/cuda_graphs.py). DFlash's hidden rows are sampled from at once.
-            return tuple(t[:num_reqs].clone() for t in out)
+            # engine/cuda_graphs.py). The candidates and q are read now, as DFlash's hidden rows.
+            return tokens.clone(), candidates, q
         return out[:rows]
 
     def propose(
