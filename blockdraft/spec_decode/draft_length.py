@@ -28,6 +28,12 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   request becoming predictable needs a few probes to lift its estimate) or once drafting pays
   again; either way it is never shorter than what keeps the probes' expected loss (their cost
   in decode steps less the tokens they commit) within PROBE_BUDGET of plain decoding's time.
+  A probe is never a uniform step (it proposes without verifying, the next verifies without
+  proposing, and with async decode the pipeline drains and refills around them), so its cost
+  is measured as such: the wall time of the PROBE_SPAN steps from the one that chose it, less
+  as many decode steps (the median of the last few probes per bucket). On an H100 with
+  SmolLM2-135M a probe of 3 drafts cost ~4 decode steps that way, where the uniform-step prior
+  said 1.4.
 
 Everything here runs on the host each step over plain floats: no tensor, no device sync.
 The choice lags the readback by one step (drafts are proposed before the step's tokens are
@@ -65,6 +71,11 @@ CALIBRATION_STEPS = 4
 RECALIBRATE_INTERVAL = 256
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
+# Steps whose wall time a probe changes: the one that chose it (async decode launches nothing
+# ahead of it), the probe, its verify, and the two that refill the decode pipeline.
+PROBE_SPAN = 5
+# The budget may space probes further than the doubling does, up to this.
+MAX_PROBE_FLOOR = 1024
 # Probes may lose at most this share of plain decoding's time: the interval is at least (cost of
 # the probe step / a decode step - its expected tokens) / PROBE_BUDGET (a probe costing ~1.4
 # decode steps that commits 1.4 tokens loses nothing; one of 2 steps that commits 1.0 is kept
@@ -173,6 +184,10 @@ class DraftLengthChooser:
     num_steps: int = 0  # `choose` calls
     calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
     decode_timed_at: dict[int, int] = field(default_factory=dict)  # bucket -> step
+    # The probe being timed: (batch, steps of its span left, seconds so far); None: none.
+    probe_timing: tuple[int, int, float] | None = None
+    # bucket -> the last few probes' extra seconds over as many decode steps as their span
+    probe_extra: dict[int, deque[float]] = field(default_factory=dict)
     # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
     expected: list[list[float]] = field(init=False)
     allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
@@ -217,10 +232,33 @@ class DraftLengthChooser:
             self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
 
     def record_if_uniform(self, chunks: list, num_drafts: int, seconds: float) -> None:
-        """A step's wall time, kept when the step was uniform (no prefill; every chunk verified
-        and proposed `num_drafts`): only then is it cost(batch, N)."""
+        """A step's wall time (every step's, in order), kept when the step was uniform (no
+        prefill; every chunk verified and proposed `num_drafts`): only then is it
+        cost(batch, N). The steps of a probe's span time the probe instead."""
+        if self.probe_timing is not None:
+            self._time_probe(seconds)
+            return
         if all(c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks):
             self.record_step(len(chunks), num_drafts, seconds)
+
+    def _time_probe(self, seconds: float) -> None:
+        batch, left, total = self.probe_timing
+        total += seconds
+        if left > 1:
+            self.probe_timing = (batch, left - 1, total)
+            return
+        self.probe_timing = None
+        bucket = StepCostModel.bucket(batch)
+        window = self.probe_extra.setdefault(bucket, deque(maxlen=COST_WINDOW))
+        window.append(max(total - PROBE_SPAN * self.costs.cost(batch, 0), 0.0))
+
+    def probe_cost(self, batch: int, probe: int) -> float:
+        """A probe's extra seconds over plain decoding: measured (the median of the last few
+        at this bucket), else the uniform steps' cost(b, N) - cost(b, 0)."""
+        window = self.probe_extra.get(StepCostModel.bucket(batch))
+        if window:
+            return sorted(window)[(len(window) - 1) // 2]
+        return self.costs.cost(batch, probe) - self.costs.cost(batch, 0)
 
     def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
         """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
@@ -256,8 +294,9 @@ class DraftLengthChooser:
         probe = allowed[1]  # the smallest N that drafts
         floor = self._probe_floor(counts, batch, probe)
         interval = PROBE_INTERVAL if rose else 2 * self.probe_interval
-        self.probe_interval = min(max(interval, floor), MAX_PROBE_INTERVAL)
+        self.probe_interval = max(min(interval, MAX_PROBE_INTERVAL), min(floor, MAX_PROBE_FLOOR))
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
+        self.probe_timing = (batch, PROBE_SPAN, 0.0)
         return probe
 
     def _batch_tokens(self, counts: dict[int, int], num_drafts: int) -> float:
@@ -267,12 +306,12 @@ class DraftLengthChooser:
 
     def _probe_floor(self, counts: dict[int, int], batch: int, probe: int) -> int:
         """The fewest steps between probes that keeps their expected loss within PROBE_BUDGET
-        of plain decoding's time: a probe costs cost(b, N) / cost(b, 0) decode steps and
-        commits E(alpha, N) tokens a request at the batch's current estimates. It holds after a
-        probe that lifted the estimates too: a lift that leaves drafting far from paying is no
-        reason to pay for probes every PROBE_INTERVAL steps."""
-        tokens = self._batch_tokens(counts, probe) / batch
-        loss = self.costs.cost(batch, probe) / self.costs.cost(batch, 0) - tokens
+        of plain decoding's time: a probe costs `probe_cost` (in decode steps) and commits
+        E(alpha, N) - 1 tokens a request more than a decode step at the batch's current
+        estimates. It holds after a probe that lifted the estimates too: a lift that leaves
+        drafting far from paying is no reason to pay for probes every PROBE_INTERVAL steps."""
+        gained = self._batch_tokens(counts, probe) / batch - 1.0
+        loss = self.probe_cost(batch, probe) / self.costs.cost(batch, 0) - gained
         return math.ceil(max(loss, 0.0) / PROBE_BUDGET)
 
     def _calibrating(self, batch: int) -> bool:

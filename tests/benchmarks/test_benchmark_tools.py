@@ -356,6 +356,8 @@ def test_hybrid_moe_shape_bytes_count_the_active_weights_and_states() -> None:
 
 
 def test_cpu_gemm_bench_times_both_products_over_a_forward(tmp_path, capsys) -> None:
+    import torch
+
     from benchmarks import cpu_gemm_bench
     from benchmarks.common import SMOLLM2_135M
 
@@ -366,8 +368,11 @@ def test_cpu_gemm_bench_times_both_products_over_a_forward(tmp_path, capsys) -> 
         ["--rows", "1", "3", "--reps", "1", "--json", str(tmp_path / "g.json")]
     )
     assert [r["rows"] for r in results] == [1, 3]
-    assert all(r["f_linear_ms"] > 0 and r["linear_ms"] > 0 for r in results)
-    assert "F.linear / ours" in capsys.readouterr().out and (tmp_path / "g.json").exists()
+    assert all(r["f_linear_ms"] > 0 and r["weight_left_ms"] > 0 and r["linear_ms"] > 0
+               for r in results)  # fmt: skip
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    torch.testing.assert_close(cpu_gemm_bench.weight_left(x, w), x @ w.T)
+    assert "best / ours" in capsys.readouterr().out and (tmp_path / "g.json").exists()
 
 
 def test_token_map_bench_sets_the_map_against_the_whole_vocabulary(

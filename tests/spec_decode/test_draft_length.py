@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from blockdraft.spec_decode.draft_length import (
     MIN_DRAFT_GAIN,
     PROBE_BUDGET,
     PROBE_INTERVAL,
+    PROBE_SPAN,
     RECALIBRATE_INTERVAL,
     AcceptanceEstimate,
     CostPrior,
@@ -122,6 +124,45 @@ def test_expensive_probes_stay_within_their_budget(rng) -> None:
         chooser.costs.cost(batch, n) / chooser.costs.cost(batch, 0) - 1 for n in chosen[probes[0] :]
     )
     assert extra <= PROBE_BUDGET * len(chosen[probes[0] :]) + 2.5  # + the last probe's own
+
+
+def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None:
+    """A probe is not a uniform step: the engine's step times around it (the step that chose
+    it, the probe, its verify, the pipeline's refill) are its cost. Where they add up to
+    several decode steps more (a GPU's host-bound probe) while the uniform-step table says a
+    probe is nearly free, the probes end up spaced by the measured cost: further apart than
+    MAX_PROBE_INTERVAL, and the span's slow decode steps do not enter decode's cost."""
+    r = py_random(rng)
+    batch = r.randint(1, 3)
+    # Uniform steps where drafting is cheap (1.05 decode steps for any N)...
+    chooser = chooser_with_costs(r, range(1, 4), 0.05, 0.0)
+    decode = chooser.costs.cost(batch, 0)
+    # ... but a probe's span runs at these multiples of a decode step: 4.9 decode steps extra.
+    span = [1.0, 3.5, 2.2, 1.6, 1.6][:PROBE_SPAN]
+    extra = sum(span) - PROBE_SPAN
+    estimates = [AcceptanceEstimate() for _ in range(batch)]
+    chosen, pending, left = [], 0, []
+    for _ in range(3000):
+        n = chooser.choose(estimates, batch)
+        for e in estimates:
+            if pending:
+                chooser.observe(e, 0, pending)
+        if n and not left:
+            left = list(span)
+        scale = left.pop(0) if left else 1.0
+        chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))] * batch
+        chooser.record_if_uniform(chunks, n, decode * scale)
+        chosen.append(n)
+        pending = n
+    assert chooser.costs.cost(batch, 0) == pytest.approx(decode)
+    assert chooser.probe_cost(batch, 1) == pytest.approx(extra * decode)
+    probes = [i for i, n in enumerate(chosen) if n]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    # Alpha never quite reaches 0 (the prior keeps a share of its start): a probe commits a
+    # little more than a decode step, so the floor is a little under extra / PROBE_BUDGET.
+    assert gaps[-1] > MAX_PROBE_INTERVAL and gaps[-1] >= 0.9 * extra / PROBE_BUDGET, gaps
+    tail = chosen[probes[-3] :]
+    assert sum(1 for n in tail if n) * extra <= 1.2 * PROBE_BUDGET * len(tail) + extra
 
 
 def test_most_drafts_when_they_always_land(rng) -> None:
