@@ -64,10 +64,16 @@ PRIOR_WEIGHT = 2.0
 MIN_DRAFT_GAIN = 0.03
 # Step times kept per (bucket, N); the estimate is their (lower) median.
 COST_WINDOW = 5
-# Plain-decode steps timed the first time a batch bucket is met (the first one after a change
-# of N is not uniform, so this times CALIBRATION_STEPS - 1), and how many steps a bucket drafts
-# before they are timed again.
-CALIBRATION_STEPS = 4
+# A uniform step is timed only after STEADY_AFTER uniform steps of the same batch and N: the
+# first steps after a change of N are uniform by their rows but not by their time (with async
+# decode the first plain step after a verify launches two steps and the next only reads one
+# back: 2.3 and 0.4 ms around a steady 1.1 on an H200 at batch 16, enough to make decode look
+# twice as dear and drafting pay where it did not).
+STEADY_AFTER = 2
+# Plain-decode steps run the first time a batch bucket is met (the first one after a change of
+# N is not uniform, so this times CALIBRATION_STEPS - 1 - STEADY_AFTER), and how many steps a
+# bucket drafts before they are timed again.
+CALIBRATION_STEPS = 6
 RECALIBRATE_INTERVAL = 256
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
@@ -184,6 +190,8 @@ class DraftLengthChooser:
     num_steps: int = 0  # `choose` calls
     calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
     decode_timed_at: dict[int, int] = field(default_factory=dict)  # bucket -> step
+    # The uniform steps in a row so far: (batch, N, how many).
+    uniform_run: tuple[int, int, int] = (0, 0, 0)
     # The probe being timed: (batch, steps of its span left, seconds so far); None: none.
     probe_timing: tuple[int, int, float] | None = None
     # bucket -> the last few probes' extra seconds over as many decode steps as their span
@@ -233,12 +241,22 @@ class DraftLengthChooser:
 
     def record_if_uniform(self, chunks: list, num_drafts: int, seconds: float) -> None:
         """A step's wall time (every step's, in order), kept when the step was uniform (no
-        prefill; every chunk verified and proposed `num_drafts`): only then is it
-        cost(batch, N). The steps of a probe's span time the probe instead."""
+        prefill; every chunk verified and proposed `num_drafts`) and steady (STEADY_AFTER
+        uniform steps of its batch and N before it): only then is it cost(batch, N). The steps
+        of a probe's span time the probe instead."""
         if self.probe_timing is not None:
             self._time_probe(seconds)
+            self.uniform_run = (0, 0, 0)
             return
-        if all(c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks):
+        if not all(
+            c.num_drafts == num_drafts and len(c.token_ids) == num_drafts + 1 for c in chunks
+        ):
+            self.uniform_run = (0, 0, 0)
+            return
+        batch, n, count = self.uniform_run
+        count = count + 1 if (batch, n) == (len(chunks), num_drafts) else 1
+        self.uniform_run = (len(chunks), num_drafts, count)
+        if count > STEADY_AFTER:
             self.record_step(len(chunks), num_drafts, seconds)
 
     def _time_probe(self, seconds: float) -> None:

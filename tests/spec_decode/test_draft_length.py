@@ -22,6 +22,7 @@ from blockdraft.spec_decode.draft_length import (
     PROBE_INTERVAL,
     PROBE_SPAN,
     RECALIBRATE_INTERVAL,
+    STEADY_AFTER,
     AcceptanceEstimate,
     CostPrior,
     DraftLengthChooser,
@@ -163,6 +164,36 @@ def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None
     assert gaps[-1] > MAX_PROBE_INTERVAL and gaps[-1] >= 0.9 * extra / PROBE_BUDGET, gaps
     tail = chosen[probes[-3] :]
     assert sum(1 for n in tail if n) * extra <= 1.2 * PROBE_BUDGET * len(tail) + extra
+
+
+def test_only_steady_uniform_steps_are_timed(rng) -> None:
+    """The plain steps right after a verify are uniform by their rows, not by their time (async
+    decode's first plain step launches two, the next only reads one back): they are not
+    timed, so decode's cost stays the steady one while the batch alternates between drafting
+    and plain steps, and is timed once STEADY_AFTER uniform steps have passed."""
+    r = py_random(rng)
+    batch, steady = r.randint(1, 16), r.uniform(0.001, 0.01)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+
+    def step(verified: int, proposed: int, seconds: float) -> None:
+        chunk = SimpleNamespace(num_drafts=verified, token_ids=[0] * (verified + 1))
+        chooser.record_if_uniform([chunk] * batch, proposed, seconds)
+
+    for _ in range(20):  # draft, verify, two refill steps (2.1x and 0.4x steady), draft...
+        step(0, 3, 4 * steady)
+        step(3, 0, 2 * steady)
+        step(0, 0, 2.1 * steady)
+        step(0, 0, 0.4 * steady)
+    assert not chooser.costs.has(batch, 0) and not chooser.costs.has(batch, 3)
+    step(0, 3, 4 * steady)
+    step(3, 0, 2 * steady)
+    for i in range(STEADY_AFTER + 1):
+        step(0, 0, steady)
+        assert chooser.costs.has(batch, 0) == (i == STEADY_AFTER)
+    assert chooser.costs.cost(batch, 0) == steady
+    for _ in range(STEADY_AFTER + 1):  # steady drafting is timed the same way
+        step(3, 3, 3 * steady)
+    assert chooser.costs.cost(batch, 3) == 3 * steady
 
 
 def test_most_drafts_when_they_always_land(rng) -> None:
