@@ -26,7 +26,7 @@ from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
 from blockdraft.runtime.host_batch import flat_slots
 from blockdraft.sampling_params import SamplingParams
-from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MAX_ROWS, LaunchedDrafts
+from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MIN_ROWS, LaunchedDrafts
 from blockdraft.spec_decode.speculator import build_speculator
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,9 @@ class LLMEngine:
         if self.draft_launcher is not None and pages is not None:
             # Deferred rows must stay inside the window until written: a page left behind it
             # may pass to another block meanwhile.
-            if pages.window < DEFERRED_CONTEXT_MAX_ROWS + config.block_size:
+            rows = pages.window - config.block_size
+            self.draft_launcher.max_deferred_rows = rows
+            if rows < DEFERRED_CONTEXT_MIN_ROWS:
                 self.draft_launcher.defer_context = False
         self.capture_time_s = self.warmup_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:

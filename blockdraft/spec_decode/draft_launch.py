@@ -13,8 +13,8 @@ drafts nothing.
 
 While the batch drafts nothing (N = 0, chosen when drafts would not pay), the committed rows'
 context K/V is deferred: their features are kept and written in one batched pass when drafting
-resumes or DEFERRED_CONTEXT_MAX_ROWS rows wait. A step at N = 0 then costs what plain decoding
-costs: the drafter's projections of one row each step are weight-bound, while a batched write
+resumes or DEFERRED_CONTEXT_MAX_BYTES of them wait. A step at N = 0 then costs what plain
+decoding costs: the drafter's projections of one row each step are weight-bound, while a batched write
 of many rows reads the same weights once. Under async decode such steps are launched one ahead
 like an engine without a drafter's (blockdraft/engine/async_decode.py), and keep their rows
 here with `defer_decode_step`. Deferred rows are written before any later context write and
@@ -36,11 +36,14 @@ from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCac
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer
 
-# Deferred context rows written at once at the latest; bounds the kept features' memory (256
-# rows of 5 x 5120 bf16 features: 13 MB). A write costs ~15 eager launches however many rows
-# it takes, which a small host-bound target pays in full: at 64 rows a batch of 16 paid them
-# every 4th step (host_ops.py: 40 ops a step at N = 0 against plain decoding's 25).
-DEFERRED_CONTEXT_MAX_ROWS = 256
+# Deferred context is written at once at the latest when its features reach
+# DEFERRED_CONTEXT_MAX_BYTES (~11,600 rows of SmolLM2-135M's 5 x 576 bf16 features, ~1,300 of
+# a 27B target's 5 x 5120), and never held back for fewer than DEFERRED_CONTEXT_MIN_ROWS. A
+# write costs ~15 eager launches however many rows it takes, which a small host-bound target
+# pays in full: at 256 rows a batch of 16 paid a ~1.8 ms write every 16th ~1.1 ms step on an
+# H200, at 64 rows every 4th (host_ops.py: 40 ops a step at N = 0 against plain decoding's 25).
+DEFERRED_CONTEXT_MAX_BYTES = 64 << 20
+DEFERRED_CONTEXT_MIN_ROWS = 256
 
 
 @dataclass
@@ -129,6 +132,17 @@ class DraftLauncher:
         self.proposer, self.sampling, self.device = proposer, sampling, device
         self.defer_context = defer_context
         self.deferred = DeferredContext()
+        # Rows deferred at most; None: DEFERRED_CONTEXT_MAX_BYTES of features. A drafter with
+        # a sliding window sets its window less a block: older rows' pages may be reused.
+        self.max_deferred_rows: int | None = None
+
+    def _fits(self, features: torch.Tensor, rows: int) -> bool:
+        """Whether `rows` more rows of `features`' width may wait with those deferred."""
+        limit = self.max_deferred_rows
+        if limit is None:
+            row_bytes = features.shape[-1] * features.element_size()
+            limit = max(DEFERRED_CONTEXT_MIN_ROWS, DEFERRED_CONTEXT_MAX_BYTES // row_bytes)
+        return self.deferred.num_rows + rows <= limit
 
     def write_deferred(self) -> None:
         """Writes the deferred context rows in one pass (nothing when none wait)."""
@@ -145,7 +159,7 @@ class DraftLauncher:
     ) -> None:
         """Keeps a plain decode step's rows for the deferred write (an N = 0 step launched by
         async decode, which builds no drafter inputs)."""
-        if self.deferred.num_rows + len(positions) > DEFERRED_CONTEXT_MAX_ROWS:
+        if not self._fits(features, len(positions)):
             self.write_deferred()
         self.deferred.add_decode_rows(features, positions, slots)
 
@@ -160,7 +174,7 @@ class DraftLauncher:
         num_chunks = len(step.starts)
         rows = step.row_ends[-1]
         defer = self.defer_context and not num_drafts
-        if not defer or blocks_freed or self.deferred.num_rows + rows > DEFERRED_CONTEXT_MAX_ROWS:
+        if not defer or blocks_freed or not self._fits(step.features, rows):
             self.write_deferred()
         proposers = [i for i, done in enumerate(step.completes) if done] if num_drafts else []
         tables = padded_block_tables(step.block_tables)

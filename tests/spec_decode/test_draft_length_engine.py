@@ -167,11 +167,13 @@ def count_steps_launched_ahead(llm: LLM) -> list[int]:
 DEFERRED_SETUPS = {
     **SETUPS,
     "arrivals": dict(max_num_seqs=2, block_size=4, num_kv_blocks=30, max_model_len=80),
+    # At most 3 rows deferred: written whenever the next step's would not fit.
+    "bounded": SETUPS["plain"],
 }
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async-decode"])
-@pytest.mark.parametrize("setup", ["plain", "preemption", "arrivals"])
+@pytest.mark.parametrize("setup", ["plain", "preemption", "arrivals", "bounded"])
 def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined: bool) -> None:
     """The drafter context K/V that steps at N = 0 defer (written in one pass when drafting
     resumes, the batch changes or blocks were freed), also when those steps are launched one
@@ -186,6 +188,8 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined
     for defer in (True, False):
         llm = auto_llm(drafter, target, **DEFERRED_SETUPS[setup], async_decode=pipelined and defer)
         llm.engine.draft_launcher.defer_context = defer
+        if setup == "bounded":
+            llm.engine.draft_launcher.max_deferred_rows = 3
         picks = choose_in_runs(llm, random.Random(seed))
         ahead = count_steps_launched_ahead(llm)
         out = llm.generate(prompts, params, use_tqdm=False)
