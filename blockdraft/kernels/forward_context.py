@@ -10,6 +10,7 @@ the sampling between them.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -64,17 +65,56 @@ class StepBatch:
 
 
 @dataclass
+class PrefillBatch:
+    """The prefill chunks of a forward packed along one token axis, for one call of the conv
+    and of the chunked rule over all of them (gather indices built once per forward)."""
+
+    chunks: list[tuple[int, int, int]]  # (sequence, first row, rows) of each of the P chunks
+    seqs: torch.Tensor  # [P] int64 their sequences in the forward's batch
+    rows: torch.Tensor  # [Np] int64 flat row of each packed token, chunk after chunk
+    cu_seqlens: torch.Tensor  # [P + 1] int32: chunk i is packed tokens cu_seqlens[i] .. [i + 1]
+    host_cu_seqlens: list[int]  # cu_seqlens on the host
+    _windows: dict = field(default_factory=dict, repr=False)  # conv_windows, by `kept`
+
+    def conv_windows(
+        self, kept: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # [W], [Np], [P, kept] int64
+        """Indices of one causal conv over every chunk's window (its conv state's `kept` rows,
+        then its inputs) laid end to end: the W window rows in `cat(conv states [P * kept],
+        the forward's rows)`; the conv output row of each packed token (the conv of W rows has
+        W - kept outputs; those whose taps straddle two windows are skipped); the window rows
+        that are each chunk's new conv state (its window's last `kept`)."""
+        if kept not in self._windows:
+            num = len(self.chunks)
+            window, out, state, offset = [], [], [], 0
+            for i, (_, first, n) in enumerate(self.chunks):
+                window += [i * kept + j for j in range(kept)]
+                window += range(num * kept + first, num * kept + first + n)
+                out += range(offset, offset + n)
+                state += range(offset + n, offset + n + kept)
+                offset += kept + n
+            device = self.rows.device
+            self._windows[kept] = (
+                torch.tensor(window, device=device),
+                torch.tensor(out, device=device),
+                torch.tensor(state, device=device).view(num, kept),
+            )
+        return self._windows[kept]
+
+
+@dataclass
 class LinearStateMetadata:
     """Where each sequence of the batch keeps its linear-attention state (conv and recurrent
     state slots beside the paged KV cache) and what the forward does with it. Prefill chunks
-    run one by one (the chunked rule); decode rows and verify blocks as one `StepBatch`. Verify
-    blocks read their state and leave it as it was; their inputs are kept so that the step
-    commits the state at the accepted length."""
+    run in one packed call (the chunked rule over variable lengths: `PrefillBatch`); decode
+    rows and verify blocks as one `StepBatch`. Verify blocks read their state and leave it as
+    it was; their inputs are kept so that the step commits the state at the accepted length."""
 
     state_slots: torch.Tensor  # [num_seqs] int64 slot of each sequence
     fresh: torch.Tensor  # [num_seqs] bool: starts at position 0 (zero state, slot not read)
     prefill: list[tuple[int, int, int]]  # (sequence, first row, rows) of each prefill chunk
     step: StepBatch | None
+    packed: PrefillBatch | None = None  # the prefill chunks packed; None: none
 
 
 def build_linear_metadata(
@@ -111,7 +151,16 @@ def build_linear_metadata(
             tensor([not verify[i] for i in stepped]), tensor(v_rows) if v_rows else None,
             tensor(src), tensor(dst),
         )  # fmt: skip
-    return LinearStateMetadata(state_slots, fresh, prefill, step)
+    packed = None
+    if prefill:
+        device = state_slots.device
+        seqs = torch.tensor([i for i, _, _ in prefill], device=device)
+        rows = torch.tensor([r for _, first, n in prefill for r in range(first, first + n)],
+                            device=device)  # fmt: skip
+        cu = [0, *itertools.accumulate(n for _, _, n in prefill)]
+        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
+        packed = PrefillBatch(prefill, seqs, rows, cu_seqlens, cu)
+    return LinearStateMetadata(state_slots, fresh, prefill, step, packed)
 
 
 _current: AttentionMetadata | None = None

@@ -10,9 +10,11 @@ a row's length leave its state as it was, so one call advances requests by diffe
 of tokens and a step's arithmetic never depends on its batch mates (a verify's state at any
 accepted length is bit for bit the one plain decoding reaches). The recurrence over the
 engine's state slots (`recurrent_gated_delta_rule_pool_torch`) has a Triton twin
-(`triton_gated_delta_rule`); the prefill's chunked form runs in torch. A decode step's whole
-token mixer between the input and output projections (conv, gates, recurrence, gated norm:
-`gated_deltanet_decode_torch`) has a one-launch Triton twin (`triton_gated_deltanet_step`).
+(`triton_gated_delta_rule`); so has the chunked form over packed variable-length sequences,
+a prefill step's chunks in one call (`chunk_gated_delta_rule_varlen_torch`,
+`triton_chunk_gated_delta_rule`). A decode step's whole token mixer between the input and
+output projections (conv, gates, recurrence, gated norm: `gated_deltanet_decode_torch`) has a
+one-launch Triton twin (`triton_gated_deltanet_step`).
 """
 
 from __future__ import annotations
@@ -222,6 +224,33 @@ def chunk_gated_delta_rule_torch(
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = out.reshape(*out.shape[:2], -1, out.shape[-1])[:, :, :num_tokens]
     return out.transpose(1, 2).to(value.dtype), state
+
+
+def chunk_gated_delta_rule_varlen_torch(
+    query: torch.Tensor,  # [N, Hk, Dk] tokens of all sequences, packed
+    key: torch.Tensor,  # [N, Hk, Dk]
+    value: torch.Tensor,  # [N, Hv, Dv]
+    g: torch.Tensor,  # [N, Hv] float32 log decay (<= 0)
+    beta: torch.Tensor,  # [N, Hv]
+    state: torch.Tensor,  # [P, Hv, Dk, Dv] float32, each sequence's state before its first token
+    cu_seqlens: torch.Tensor,  # [P + 1] int: sequence i is tokens cu_seqlens[i] .. [i + 1]
+    host_cu_seqlens: list[int] | None = None,  # cu_seqlens on the host, if the caller has it
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [N, Hv, Dv] value's dtype, final [P, Hv, Dk, Dv]
+    """`chunk_gated_delta_rule_torch` of each packed sequence on its own (a batch of one, as
+    a prefill chunk always ran): the Triton kernel's specification. `host_cu_seqlens` spares
+    the loop a read of the device (the engine reads it back once a step, for the tokens)."""
+    out = value.new_empty(value.shape)
+    finals = []
+    bounds = cu_seqlens.tolist() if host_cu_seqlens is None else host_cu_seqlens
+    for i, (first, stop) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        rows = slice(first, stop)
+        core, final = chunk_gated_delta_rule_torch(
+            query[None, rows], key[None, rows], value[None, rows], g[None, rows],
+            beta[None, rows], state[i : i + 1],
+        )  # fmt: skip
+        out[rows] = core[0]
+        finals.append(final)
+    return out, torch.cat(finals) if finals else state.float().clone()
 
 
 def gated_deltanet_decode_torch(

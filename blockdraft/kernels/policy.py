@@ -54,6 +54,10 @@ class KernelPolicy:
     # mixer in one kernel, and the state commit after them in one more per layer (Qwen3.5-27B
     # shapes, DFlash step at batch 1 / 8: 34.9 / 48.0 -> 25.5 / 35.1 ms).
     fuse_gated_deltanet_verify: bool = True
+    # A Gated DeltaNet layer's prefill chunks run the chunked rule in two Triton launches
+    # (`triton_chunk_gated_delta_rule`) rather than its torch twin, a loop over the chunks'
+    # sequences.
+    triton_chunked_prefill: bool = True
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps

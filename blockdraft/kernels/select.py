@@ -4,11 +4,12 @@ The active `KernelPolicy`'s backend (`blockdraft.kernels.forward_context.current
 decides for attention, the KV store, RMSNorm, the q/k norm + rotary embedding (also with the KV
 store fused in), the MLP's SiLU-and-multiply, the few-row linears, the DFlash drafter's input
 preparation, its training loss (LM head + cross-entropy), DFlash2's dynamic convolution, top-K
-and candidate walk, the gated delta rule's recurrence (hybrid models' linear attention), and
-the sampler's hashed uniforms and exponential race: "auto" is Triton on CUDA when it imports,
-torch otherwise; "torch" / "triton" force one. Triton on a CPU tensor only runs under its
-interpreter, which reads TRITON_INTERPRET=1 when triton is first imported: so this module
-imports the Triton kernels lazily, on the first call that wants them.
+and candidate walk, the gated delta rule's recurrence and its chunked form over packed
+sequences (hybrid models' linear attention: decode and verify, prefill), and the sampler's
+hashed uniforms and exponential race: "auto" is Triton on CUDA when it imports, torch otherwise;
+"torch" / "triton" force one. Triton on a CPU tensor only runs under its interpreter, which
+reads TRITON_INTERPRET=1 when triton is first imported: so this module imports the Triton
+kernels lazily, on the first call that wants them.
 
 Not provided: a Triton rejection sampler. `blockdraft.spec_decode.rejection_sampler` already
 runs without a host sync; what a kernel could fuse is the accept/assemble tail over [R, N+1]
@@ -30,7 +31,10 @@ from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
 from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch, grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
-from blockdraft.kernels.gated_delta_rule import recurrent_gated_delta_rule_pool_torch
+from blockdraft.kernels.gated_delta_rule import (
+    chunk_gated_delta_rule_varlen_torch,
+    recurrent_gated_delta_rule_pool_torch,
+)
 from blockdraft.kernels.linear import skinny_linear_torch
 from blockdraft.kernels.paged_attention import paged_attention, store_kv
 from blockdraft.kernels.rmsnorm import rms_norm_torch
@@ -55,6 +59,7 @@ HashedUniformFn = Callable[..., torch.Tensor]
 RaceFn = Callable[..., torch.Tensor]
 DynamicConvFn = Callable[..., torch.Tensor]
 GatedDeltaFn = Callable[..., torch.Tensor]
+ChunkGatedDeltaFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 GatedDeltaNetDecodeFn = Callable[..., torch.Tensor]
 GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
@@ -134,6 +139,19 @@ def get_gated_delta_rule_backend(device: torch.device | str | None = None) -> Ga
 
         return triton_gated_delta_rule.triton_recurrent_gated_delta_rule
     return recurrent_gated_delta_rule_pool_torch
+
+
+def get_chunk_gated_delta_rule_backend(
+    device: torch.device | str | None = None,
+) -> ChunkGatedDeltaFn:
+    """`fn(query, key, value, g, beta, state, cu_seqlens, host_cu_seqlens=None) -> (out,
+    final_states)`: the gated delta rule's chunked form over packed variable-length sequences
+    (a prefill step's chunks), same switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_chunk_gated_delta_rule
+
+        return triton_chunk_gated_delta_rule.triton_chunk_gated_delta_rule
+    return chunk_gated_delta_rule_varlen_torch
 
 
 def get_gated_deltanet_decode_backend(

@@ -7,11 +7,12 @@ a per-head RMSNorm gated by silu(z); `out_proj`. Parameter names are the checkpo
 Each request's conv state (its last K - 1 conv inputs) and float32 recurrent state live in a
 slot of per-layer pools that the engine allocates beside the paged KV cache
 (`allocate_states`); the forward context says which slot each sequence uses
-(`LinearStateMetadata`). Prefill chunks run the chunked rule and write their slot; decode rows
-and verify blocks run the recurrence as one padded batch. A verify block only reads its slot
-and keeps its conv inputs and outputs, g and beta (`stash_*`): `commit_verified` then advances
-the slot over the accepted rows with the recurrence alone, so rejected rows leave no trace and
-the target never runs twice. On the Triton path a forward of decode rows only, and one of
+(`LinearStateMetadata`). A forward's prefill chunks run the conv and the chunked rule in one
+call each, packed end to end, and write their slots; decode rows and verify blocks run the
+recurrence as one padded batch. A verify block only reads its slot and keeps its conv inputs
+and outputs, g and beta (`stash_*`): `commit_verified` then advances the slot over the
+accepted rows with the recurrence alone, so rejected rows leave no trace and the target never
+runs twice. On the Triton path a forward of decode rows only, and one of
 verify blocks only (with `fuse_gated_deltanet_verify`, which also fuses the commit), runs the
 token mixer in one kernel launch.
 
@@ -41,7 +42,7 @@ from blockdraft.kernels.forward_context import (
 )
 from blockdraft.kernels.gated_delta_rule import (
     causal_conv1d_torch,
-    chunk_gated_delta_rule_torch,
+    chunk_gated_delta_rule_varlen_torch,
     gate_inputs_torch,
     rms_norm_gated_torch,
     split_heads,
@@ -52,6 +53,7 @@ from blockdraft.kernels.select import (
     GatedDeltaNetDecodeFn,
     GatedDeltaNetVerifyFn,
     PerDevice,
+    get_chunk_gated_delta_rule_backend,
     get_gated_delta_rule_backend,
     get_gated_deltanet_commit_backend,
     get_gated_deltanet_decode_backend,
@@ -145,6 +147,7 @@ class GatedDeltaNet(nn.Module):
         self.stash_mixed: torch.Tensor | None = None  # [num_slots, max_verify, conv_dim]
         self.stash_gb: torch.Tensor | None = None  # [num_slots, max_verify, 2 * Hv] float32
         self._recurrence = PerDevice(get_gated_delta_rule_backend)  # Triton on CUDA
+        self._chunked = PerDevice(get_chunk_gated_delta_rule_backend)  # Triton on CUDA
         self._fused_decode = PerDevice(get_gated_deltanet_decode_backend)  # Triton on CUDA
         self._fused_verify = PerDevice(get_gated_deltanet_verify_backend)  # Triton on CUDA
         self._fused_commit = PerDevice(get_gated_deltanet_commit_backend)  # Triton on CUDA
@@ -250,14 +253,11 @@ class GatedDeltaNet(nn.Module):
         ba: torch.Tensor,  # [num_tokens, 2 * Hv]: b then a
         meta: LinearStateMetadata,
     ) -> torch.Tensor:  # [num_tokens, Hv, Dv]
-        """Conv and delta rule of every sequence from its slot's state: each prefill chunk with
+        """Conv and delta rule of every sequence from its slot's state: the prefill chunks with
         the chunked rule, decode rows and verify blocks as one padded recurrence."""
         out = qkv.new_empty(qkv.shape[0], self.num_v_heads, self.v_head_dim)
-        for i, first, n in meta.prefill:
-            rows, seq = slice(first, first + n), slice(i, i + 1)
-            out[rows] = self._advance(
-                qkv[None, rows], ba[None, rows], meta.state_slots[seq], meta.fresh[seq]
-            )[0]
+        if meta.packed is not None:
+            out[meta.packed.rows] = self._prefill(qkv, ba, meta)
         step = meta.step
         if step is not None:
             slots, fresh = meta.state_slots[step.seqs], meta.fresh[step.seqs]
@@ -283,18 +283,48 @@ class GatedDeltaNet(nn.Module):
         else:
             gated_deltanet_commit_torch(*args, recurrence=self._recurrence(slots.device))
 
+    def _prefill(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, conv_dim] before the conv
+        ba: torch.Tensor,  # [num_tokens, 2 * Hv]: b then a
+        meta: LinearStateMetadata,
+    ) -> torch.Tensor:  # [Np, Hv, Dv] the prefill chunks' rows, packed
+        """Conv and chunked rule of all prefill chunks at once, from and into their slots: one
+        conv over their windows laid end to end, one varlen rule. Every op is elementwise or
+        per chunk, so each chunk's numbers are those it gets on its own."""
+        batch = meta.packed
+        slots, fresh = meta.state_slots[batch.seqs], meta.fresh[batch.seqs]
+        keep = ~fresh[:, None, None]
+        window_rows, out_rows, state_rows = batch.conv_windows(self.conv_kernel - 1)
+        # `where`, not a product: a slot's stale contents never reach a fresh sequence.
+        conv_old = torch.where(keep, self.conv_state[slots], 0)
+        window = torch.cat((conv_old.flatten(0, 1), qkv.to(conv_old.dtype)))[window_rows]
+        mixed = causal_conv1d_torch(window[None], self.conv1d.weight.view(self.conv_dim, -1))
+        mixed = mixed[0, out_rows].to(qkv.dtype)  # [Np, conv_dim]
+        g, beta = gate_inputs_torch(ba[batch.rows], self.A_log, self.dt_bias)
+        q, k, v = (x[0] for x in split_heads(mixed[None], self.num_k_heads, self.k_head_dim,
+                                             self.num_v_heads))  # fmt: skip
+        state0 = torch.where(keep[..., None], self.recurrent_state[slots], 0)
+        rule = self._chunked(qkv.device)
+        if needs_autograd(qkv) or not current_kernel_policy().triton_chunked_prefill:
+            rule = chunk_gated_delta_rule_varlen_torch
+        core, state = rule(q, k, v, g, beta, state0, batch.cu_seqlens, batch.host_cu_seqlens)
+        self.recurrent_state[slots] = state
+        self.conv_state[slots] = window[state_rows]
+        return core
+
     def _advance(
         self,
         x: torch.Tensor,  # [S, T, conv_dim] conv inputs
         b_a: torch.Tensor,  # [S, T, 2 * Hv]
         slots: torch.Tensor,  # [S] int64
         fresh: torch.Tensor,  # [S] bool: start from zero states
-        lengths: torch.Tensor | None = None,  # [S] int64 rows each takes; None: all (chunked)
-        write: torch.Tensor | None = None,  # [S] bool: store the states reached; None: all
+        lengths: torch.Tensor,  # [S] int64 rows each takes
+        write: torch.Tensor,  # [S] bool: store the states reached
         verify: torch.Tensor | None = None,  # [V] int64 rows (of S) whose inputs are kept
     ) -> torch.Tensor:  # [S, T, Hv, Dv]
-        """Conv and delta rule of S sequences from their slots' states: the recurrence when
-        `lengths` are given, else the chunked rule over all T rows."""
+        """Conv and recurrence of S padded sequences (decode rows, verify blocks) from their
+        slots' states."""
         keep = ~fresh[:, None, None]
         # `where`, not a product: a slot's stale contents never reach a fresh sequence.
         conv_old = self.conv_state[slots]
@@ -308,14 +338,7 @@ class GatedDeltaNet(nn.Module):
             self.stash_mixed[v_slots, :width] = mixed[verify].to(self.stash_mixed.dtype)
             self.stash_gb[v_slots, :width] = torch.cat((g, beta.float()), -1)[verify]
         q, k, v = split_heads(mixed, self.num_k_heads, self.k_head_dim, self.num_v_heads)
-        pool = self.recurrent_state
-        if lengths is None:
-            state0 = torch.where(keep[..., None], pool[slots], 0)
-            core, state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state0)
-            pool[slots] = state
-            self.conv_state[slots] = window[:, x.shape[1] :]
-            return core
         recurrence = self._recurrence(x.device)
-        core = recurrence(q, k, v, g, beta, pool, slots, fresh, lengths, write)
+        core = recurrence(q, k, v, g, beta, self.recurrent_state, slots, fresh, lengths, write)
         store_conv_state_torch(self.conv_state, window, conv_old, slots, lengths, write)
         return core

@@ -14,13 +14,13 @@ drafts nothing.
 While the batch drafts nothing (N = 0, chosen when drafts would not pay), the committed rows'
 context K/V is deferred: their features are kept and written in one batched pass when drafting
 resumes or DEFERRED_CONTEXT_MAX_BYTES of them wait. A step at N = 0 then costs what plain
-decoding costs: the drafter's projections of one row each step are weight-bound, while a batched write
-of many rows reads the same weights once. Under async decode such steps are launched one ahead
-like an engine without a drafter's (blockdraft/engine/async_decode.py), and keep their rows
-here with `defer_decode_step`. Deferred rows are written before any later context write and
-before any drafter forward (the only reader), and at the first step after blocks were freed, so
-the cache ends as if written at once: one write never holds two rows for one slot (a finished
-request's freed block passing to another request).
+decoding costs: the drafter's projections of one row each step are weight-bound, while a
+batched write of many rows reads the same weights once. Under async decode such steps are
+launched one ahead like an engine without a drafter's (blockdraft/engine/async_decode.py),
+and keep their rows here with `defer_decode_step`. Deferred rows are written before any later
+context write and before any drafter forward (the only reader), and at the first step after
+blocks were freed, so the cache ends as if written at once: one write never holds two rows
+for one slot (a finished request's freed block passing to another request).
 """
 
 from __future__ import annotations
