@@ -434,3 +434,27 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
     with pytest.raises(SystemExit, match="--temperature"):
         never_slower.main(["--temperature", "-1"])
+
+
+def test_prefill_bench_times_the_triton_rule_against_its_twin(rng) -> None:
+    """The rule-alone half of prefill_bench on tiny heads (the interpreter): both timed, the
+    Triton outputs close to the twin's; the engine half needs a GPU."""
+    from benchmarks import prefill_bench
+
+    cfg = {"linear_num_key_heads": 1, "linear_num_value_heads": 2,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 16}  # fmt: skip
+    lengths = torch.randint(1, 80, (3,), generator=rng).tolist()
+    q, k, v, g, beta, state, cu = prefill_bench.rule_inputs(lengths, cfg, "cpu", torch.float32)
+    assert q.shape == (sum(lengths), 1, 16) and v.shape == (sum(lengths), 2, 16)
+    assert state.shape == (3, 2, 16, 16) and cu.tolist()[-1] == sum(lengths) and (g <= 0).all()
+    rule = prefill_bench.rule_times(lengths, cfg, "cpu", torch.float32, repeats=1)
+    assert rule["triton_ms"] > 0 and rule["twin_ms"] > 0
+    assert rule["out_rel_err"] < 1e-4 and rule["state_rel_err"] < 1e-4, rule
+
+
+def test_prefill_bench_needs_a_gpu(monkeypatch) -> None:
+    from benchmarks import prefill_bench
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
+        prefill_bench.main([])
