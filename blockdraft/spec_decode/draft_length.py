@@ -266,6 +266,8 @@ class DraftLengthChooser:
             self.probe_timing = (batch, left - 1, total)
             return
         self.probe_timing = None
+        if not self.costs.has(batch, 0):  # nothing to compare with yet
+            return
         bucket = StepCostModel.bucket(batch)
         window = self.probe_extra.setdefault(bucket, deque(maxlen=COST_WINDOW))
         window.append(max(total - PROBE_SPAN * self.costs.cost(batch, 0), 0.0))

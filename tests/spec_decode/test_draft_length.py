@@ -166,6 +166,24 @@ def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None
     assert sum(1 for n in tail if n) * extra <= 1.2 * PROBE_BUDGET * len(tail) + extra
 
 
+def test_a_probe_is_priced_only_against_a_timed_decode_step(rng) -> None:
+    """A probe's span is compared with as many decode steps: before any was timed at its
+    bucket (the prior's unit is no time at all) the span is not kept."""
+    r = py_random(rng)
+    batch, decode = r.randint(1, 16), r.uniform(0.001, 0.01)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    chunks = [SimpleNamespace(num_drafts=0, token_ids=[0])] * batch
+    for timed in (False, True):
+        if timed:
+            chooser.record_step(batch, 0, decode)
+        chooser.probe_timing = (batch, PROBE_SPAN, 0.0)
+        for _ in range(PROBE_SPAN):
+            chooser.record_if_uniform(chunks, 0, 2 * decode)
+        assert chooser.probe_timing is None
+        assert bool(chooser.probe_extra) == timed
+    assert chooser.probe_cost(batch, 1) == pytest.approx(PROBE_SPAN * decode)
+
+
 def test_only_steady_uniform_steps_are_timed(rng) -> None:
     """The plain steps right after a verify are uniform by their rows, not by their time (async
     decode's first plain step launches two, the next only reads one back): they are not
