@@ -132,16 +132,17 @@ class DraftLauncher:
         self.proposer, self.sampling, self.device = proposer, sampling, device
         self.defer_context = defer_context
         self.deferred = DeferredContext()
-        # Rows deferred at most; None: DEFERRED_CONTEXT_MAX_BYTES of features. A drafter with
-        # a sliding window sets its window less a block: older rows' pages may be reused.
+        # Rows deferred at most besides DEFERRED_CONTEXT_MAX_BYTES of features (None: no other
+        # bound). A drafter with a sliding window sets its window less a block: older rows'
+        # pages may be reused.
         self.max_deferred_rows: int | None = None
 
     def _fits(self, features: torch.Tensor, rows: int) -> bool:
         """Whether `rows` more rows of `features`' width may wait with those deferred."""
-        limit = self.max_deferred_rows
-        if limit is None:
-            row_bytes = features.shape[-1] * features.element_size()
-            limit = max(DEFERRED_CONTEXT_MIN_ROWS, DEFERRED_CONTEXT_MAX_BYTES // row_bytes)
+        row_bytes = features.shape[-1] * features.element_size()
+        limit = max(DEFERRED_CONTEXT_MIN_ROWS, DEFERRED_CONTEXT_MAX_BYTES // row_bytes)
+        if self.max_deferred_rows is not None:
+            limit = min(limit, self.max_deferred_rows)
         return self.deferred.num_rows + rows <= limit
 
     def write_deferred(self) -> None:

@@ -256,3 +256,32 @@ def test_drafter_is_launched_before_the_readback(pair, rng, monkeypatch) -> None
     # The first step is a's partial chunk (8 of 13 rows): context only, nothing to read.
     assert per_step[0] == ("target", "context"), per_step
     assert all(s == ("target", "context", "draft", "readback") for s in per_step[1:]), per_step
+
+
+def test_deferred_context_waits_up_to_its_bytes_and_the_window_bound() -> None:
+    """Deferred rows wait until DEFERRED_CONTEXT_MAX_BYTES of features (never fewer than
+    DEFERRED_CONTEXT_MIN_ROWS rows), and at most `max_deferred_rows` where a windowed drafter
+    sets it."""
+    from types import SimpleNamespace
+
+    from blockdraft.spec_decode.draft_launch import (
+        DEFERRED_CONTEXT_MAX_BYTES,
+        DEFERRED_CONTEXT_MIN_ROWS,
+        DraftLauncher,
+    )
+
+    def fits(width: int, dtype: torch.dtype, waiting: int, rows: int, cap: int | None) -> bool:
+        launcher = SimpleNamespace(
+            max_deferred_rows=cap, deferred=SimpleNamespace(num_rows=waiting)
+        )
+        return DraftLauncher._fits(launcher, torch.empty(1, width, dtype=dtype), rows)
+
+    smollm2 = DEFERRED_CONTEXT_MAX_BYTES // (5 * 576 * 2)  # 5 target layers of 576, bf16
+    assert smollm2 > 10_000
+    assert fits(5 * 576, torch.bfloat16, smollm2 - 16, 16, None)
+    assert not fits(5 * 576, torch.bfloat16, smollm2 - 15, 16, None)
+    huge = DEFERRED_CONTEXT_MAX_BYTES  # a row wider than the budget: still the minimum rows
+    assert fits(huge, torch.float32, DEFERRED_CONTEXT_MIN_ROWS - 1, 1, None)
+    assert not fits(huge, torch.float32, DEFERRED_CONTEXT_MIN_ROWS, 1, None)
+    assert fits(5 * 576, torch.bfloat16, 2000, 32, 2032)
+    assert not fits(5 * 576, torch.bfloat16, 2001, 32, 2032)
