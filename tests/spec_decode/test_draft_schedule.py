@@ -146,7 +146,7 @@ def test_no_drafts_from_a_batch_size_on(pairs, rng, temperature: float) -> None:
     ]
     llm = LLM(str(target), speculative_config=scheduled(drafter, {3: 0}, n=4))
     assert llm.engine.draft_schedule.all_num_drafts == [0, 4]
-    proposals = spy_proposals(llm)
+    proposals = spy_drafts_by_batch(llm)
     written = spy_context_rows(llm)
     sd = llm.generate(prompts, params, use_tqdm=False)
     assert proposals and all(running < 3 and n == 4 for running, n in proposals), proposals
@@ -166,7 +166,7 @@ def test_no_drafts_from_a_batch_size_on(pairs, rng, temperature: float) -> None:
         assert max(max(s.spec_accept_lengths) for s in sd[3:]) > 1
 
 
-def spy_proposals(llm: LLM) -> list[tuple[int, int]]:
+def spy_drafts_by_batch(llm: LLM) -> list[tuple[int, int]]:
     """(requests running, drafts proposed per request) for every propose step."""
     engine, seen = llm.engine, []
     original = engine.proposer.propose
@@ -192,7 +192,7 @@ def test_greedy_lossless_while_the_batch_shrinks_across_the_threshold(pairs, kin
     ]
     ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(target), speculative_config=scheduled(drafter, SCHEDULE))
-    proposals = spy_proposals(llm)
+    proposals = spy_drafts_by_batch(llm)
     sd = llm.generate(prompts, params, use_tqdm=False)
     for a, s in zip(ar, sd, strict=True):
         assert s.outputs[0].token_ids == a.outputs[0].token_ids
