@@ -216,9 +216,8 @@ def triton_chunk_gated_delta_rule(
     n, hk, dk = key.shape
     hv, dv = value.shape[1:]
     p = cu_seqlens.shape[0] - 1
-    if query.stride() != key.stride():
-        query, key = query.contiguous(), key.contiguous()
-    if query.stride(-1) != 1:
+    # The scan reads q and k with one set of strides, unit along the head dim.
+    if query.stride() != key.stride() or query.stride(-1) != 1:
         query, key = query.contiguous(), key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
