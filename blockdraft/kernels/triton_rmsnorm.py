@@ -6,7 +6,8 @@ the activation dtype, then scale by the weight in the dtype torch promotion give
 With a residual, the sum `x + residual` is rounded to the activation dtype first (as an eager
 `x + residual` would be), returned as the new residual stream, and normalised. The kernel reads
 each row once and writes the outputs once, instead of the ~8 elementwise passes of the eager
-version.
+version. With `offset` (Qwen3.5's norms, weights stored as offsets from one) the scale is
+`1 + weight` in float32 before the one rounding, as `rms_norm_torch(..., offset=True)`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,  # scale by 1 + weight in float32, one rounding
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
@@ -51,9 +53,12 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=ok)
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    normed = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(weight_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
+    if OFFSET:
+        out = x32 * rstd * (1.0 + w)
+    else:
+        out = (x32 * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def triton_rms_norm(
@@ -64,12 +69,13 @@ def triton_rms_norm(
     *,
     out: torch.Tensor | None = None,  # [..., hidden] preallocated normed output
     residual_out: torch.Tensor | None = None,  # [..., hidden]; may be `residual` (in place)
+    offset: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # normed [..., hidden] (, new residual)
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     out_rows = out.view(-1, hidden)
@@ -102,6 +108,7 @@ def triton_rms_norm(
             eps,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             PDL=pdl,
             num_warps=min(16, max(1, block // 256)),
             **launch_options(pdl),
