@@ -76,6 +76,19 @@ def test_kernel_matches_twin(rng, heads: tuple, dims: tuple, zero: bool) -> None
     torch.testing.assert_close(got_state, want_state, atol=ATOL, rtol=1e-4)
 
 
+@needs_triton
+def test_kernel_matches_twin_past_whole_chunks(rng) -> None:
+    """A sequence of whole chunks, then one token, then one whole chunk, from random states:
+    each chunk's starting state is stored by its index in the packed layout and the next
+    sequence's first chunk starts on its own state; Dv over several value blocks of both the
+    state and the output kernels (a partial last block), Dk under 16 and not a power of two."""
+    q, k, v, g, beta, state, cu = packed_inputs(rng, [128, 1, 64], 1, 2, 12, 72, zero=False)
+    want, want_state = chunk_gated_delta_rule_varlen_torch(q, k, v, g, beta, state, cu)
+    got, got_state = triton_chunk_gated_delta_rule(q, k, v, g, beta, state, cu)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(got_state, want_state, atol=ATOL, rtol=1e-4)
+
+
 def tiny_layer(rng: torch.Generator, dk: int, dv: int) -> GatedDeltaNet:
     """Hk 1, Hv 2, conv 4, 6 slots holding random states (a fresh chunk must not read them)."""
     layer = GatedDeltaNet(32, 1, 2, dk, dv, 4, 1e-6).requires_grad_(False)
