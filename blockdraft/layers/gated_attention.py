@@ -2,6 +2,15 @@
 gives each head's query and an output gate side by side, per-head q/k RMSNorm with offset
 weights, partial rotary, paged attention, and `o_proj(attn * sigmoid(gate))`.
 
+The q/k norms, the (partial) rotation and the KV store are the one fused kernel `SelfAttention`
+runs (`RotaryEmbedding.forward_store` in its `norm_offset` mode, reading the queries in place
+beside their gates), then attention over the cache: on the Triton path a decode step's layer
+is six launches (q/k/v GEMM, that kernel, attention, sigmoid, multiply, o_proj), where the
+eager norms and rotation alone took ~24. Under autograd (training), or with the policy's
+`fuse_kv_store_into_rope` off, it rotates with `RotaryEmbedding.forward` and stores
+separately, as `SelfAttention` does. On the torch backend every path computes what the eager
+`rotary.rotate(positions, q_norm(q))` did, bit for bit.
+
 Under tensor parallelism each rank holds its query heads (a head's query and gate rows are
 adjacent in q_proj, so they are one range) and KV heads as `SelfAttention` does; o_proj is
 row-parallel, one all-reduce after it; the q/k norms (per head dim) are whole on every rank."""
@@ -12,6 +21,8 @@ import torch
 from torch import nn
 
 from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
+from blockdraft.kernels.forward_context import current_kernel_policy
+from blockdraft.kernels.select import needs_autograd
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 from blockdraft.layers.norm import OffsetRMSNorm
@@ -63,6 +74,17 @@ class GatedSelfAttention(nn.Module):
         """One GEMM for q (with its gate), k and v instead of three."""
         self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
+    def _norms(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(q_norm_weight, k_norm_weight, eps) for the rotary kernels, in their norm_offset mode."""
+        # Both norms are built with the config's eps; the fused kernel takes one.
+        return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps
+
+    def fuses_kv_store(self, *tensors: torch.Tensor) -> bool:
+        """Whether the RoPE kernel stores the keys and values (`fuse_kv_store_into_rope` of the
+        kernel policy): not under autograd, which the separate store's path keeps for training."""
+        fuse = current_kernel_policy().fuse_kv_store_into_rope
+        return fuse and not needs_autograd(*tensors, *self._norms()[:2])
+
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -75,13 +97,39 @@ class GatedSelfAttention(nn.Module):
         else:
             projections = linear(x, *self._qkv).split(self._split, dim=-1)
         q_gate, k, v = projections
+        # Views of the projection's rows (q a strided one beside its gate): the rotary kernels
+        # read heads at any row stride, so nothing is copied.
         q, gate = q_gate.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         kv_heads = (-1, self.num_kv_heads, self.head_dim)
         k, v = k.reshape(kv_heads), v.reshape(kv_heads)
-        q = self.rotary.rotate(positions, self.q_norm(q))
-        k = self.rotary.rotate(positions, self.k_norm(k))
-        out = self.attn(q.contiguous(), k.contiguous(), v).flatten(1)
-        out = out * torch.sigmoid(gate.reshape(out.shape))
+        if self.fuses_kv_store(q, k, v):
+            attn = self.attn
+            cache = attn.key_cache, attn.value_cache
+            slots = attn.metadata().slot_mapping
+            q, _ = self.rotary.forward_store(
+                positions, q, k, v, *cache, slots, *self._norms(), norm_offset=True
+            )
+            out = attn.attend(q)
+        else:
+            q, k = self.rotary(positions, q, k, *self._norms(), norm_offset=True)
+            out = self.attn(q, k, v)
+        out = output_gate(out, gate).flatten(1)
         if self.tp is not None:
             return row_parallel_linear(self.tp, out, self.o_proj.weight, self.o_proj.bias)
         return linear(out, self.o_proj.weight, self.o_proj.bias)
+
+
+def output_gate(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], attention's output
+    gate: torch.Tensor,  # [num_tokens, num_heads, head_dim], a strided view beside the queries
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """`out * sigmoid(gate)`, the numbers of transformers' expression (the gate copied
+    contiguous first) on every device."""
+    if gate.is_cuda:
+        # CUDA's sigmoid computes each element alike whatever the layout: the strided gate is
+        # read in place, two launches instead of three (copy, sigmoid, multiply).
+        return out * torch.sigmoid(gate)
+    # The CPU's vectorised sigmoid and its scalar loop round differently, and a strided gate
+    # goes through them a row at a time (a row's tail, all of a short row, scalar): keep the
+    # contiguous copy.
+    return out * torch.sigmoid(gate.contiguous())

@@ -1,6 +1,7 @@
 """Rotary position embedding (rotate-half layout), with Llama-3 frequency scaling, fused with
-the optional per-head q/k RMSNorm that precedes it (Qwen3). Partial rotary (Hugging Face's
-`partial_rotary_factor`) rotates only the first `rotary_dim` dimensions of each head."""
+the optional per-head q/k RMSNorm that precedes it (Qwen3's RMSNorm, or Qwen3.5's OffsetRMSNorm
+with `norm_offset`). Partial rotary (Hugging Face's `partial_rotary_factor`) rotates only the
+first `rotary_dim` dimensions of each head, in the fused kernels as in `rotate`."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The fused kernels (`forward`, `forward_store`) rotate whole heads; a partial rotary table
-    (partial_rotary_factor < 1) is applied by `rotate`."""
+    """The fused kernels (`forward`, `forward_store`) and `rotate` read the width of the
+    rotated part of each head off the cos/sin tables (rotary_dim / 2 columns)."""
 
     def __init__(
         self,
@@ -69,6 +70,8 @@ class RotaryEmbedding(nn.Module):
         q_norm_weight: torch.Tensor | None = None,  # [head_dim]; None: no q/k norm
         k_norm_weight: torch.Tensor | None = None,  # [head_dim]
         eps: float = 1e-6,  # of the q/k norms
+        *,
+        norm_offset: bool = False,  # the norm weights are offsets from one (OffsetRMSNorm)
     ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key)
         """`(rope(q_norm(query)), rope(k_norm(key)))`, one kernel for both on the Triton path."""
         if needs_autograd(query, key, q_norm_weight, k_norm_weight):
@@ -76,8 +79,9 @@ class RotaryEmbedding(nn.Module):
         else:
             fn = self._backend(key.device)
         return fn(
-            query, key, positions, self.cos_cache, self.sin_cache, q_norm_weight, k_norm_weight, eps
-        )
+            query, key, positions, self.cos_cache, self.sin_cache, q_norm_weight, k_norm_weight,
+            eps, norm_offset=norm_offset,
+        )  # fmt: skip
 
     def forward_store(
         self,
@@ -91,6 +95,8 @@ class RotaryEmbedding(nn.Module):
         q_norm_weight: torch.Tensor | None = None,  # [head_dim]; None: no q/k norm
         k_norm_weight: torch.Tensor | None = None,  # [head_dim]
         eps: float = 1e-6,  # of the q/k norms
+        *,
+        norm_offset: bool = False,  # the norm weights are offsets from one (OffsetRMSNorm)
     ) -> tuple[torch.Tensor | None, torch.Tensor]:  # rotated (query, key)
         """`forward`, and the rotated keys and the values stored in the paged cache at
         slot_mapping by the same kernel on the Triton path. Inference only: the caches take no
@@ -108,6 +114,7 @@ class RotaryEmbedding(nn.Module):
             key_cache,
             value_cache,
             slot_mapping,
+            norm_offset=norm_offset,
         )
 
     def rotate(
@@ -117,7 +124,4 @@ class RotaryEmbedding(nn.Module):
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """RoPE alone, in torch (the drafter's training forward norms and rotates by hand); the
         dimensions past rotary_dim pass through."""
-        if self.rotary_dim == x.shape[-1]:
-            return rope_torch(x, positions, self.cos_cache, self.sin_cache)
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        return torch.cat((rope_torch(rot, positions, self.cos_cache, self.sin_cache), rest), -1)
+        return rope_torch(x, positions, self.cos_cache, self.sin_cache)
