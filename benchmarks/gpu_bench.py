@@ -113,11 +113,12 @@ def shipped_drafter_bench(
     return results_json(results)
 
 
-def conc_reps(concurrency: int) -> int:
+def conc_reps(concurrency: int, fixed: int | None = None) -> int:
     """Timed passes at a concurrency: a pass at concurrency 1 is one request whose synthetic
     acceptance draws alone moved its tok/s by +-10% between runs (run XII), so few requests
-    get more passes (24 at 1, 6 at 4, 3 from 8 on; each pass is a fraction of a second)."""
-    return max(3, 24 // concurrency)
+    get more passes (24 at 1, 6 at 4, 3 from 8 on; each pass is a fraction of a second).
+    `fixed` (--conc-reps): that many at every concurrency, for long requests."""
+    return fixed if fixed is not None else max(3, 24 // concurrency)
 
 
 def decode_tok_s(
@@ -382,6 +383,13 @@ def main() -> None:
         help="new tokens per request in the concurrency runs (default: --new-tokens; runs "
         "before 2026-12-03 used 64, where the prefill weighs on the figure)",
     )
+    p.add_argument(
+        "--conc-reps",
+        type=int,
+        default=None,
+        help="timed passes at every concurrency (default: 24 at 1, fewer above; a pass of long "
+        "requests at concurrency 1 takes seconds on a large model)",
+    )
     p.add_argument("--accept", type=float, default=0.86)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument(
@@ -548,7 +556,13 @@ def main() -> None:
     def by_concurrency(llm: LLM, label: str) -> dict[int, float]:
         return {
             c: decode_tok_s(
-                llm, prompt, c, conc_tokens, conc_reps(c), log=compiles, phase=f"c. {label} {c}"
+                llm,
+                prompt,
+                c,
+                conc_tokens,
+                conc_reps(c, args.conc_reps),
+                log=compiles,
+                phase=f"c. {label} {c}",
             )
             for c in tqdm(args.concurrency, label)
         }
