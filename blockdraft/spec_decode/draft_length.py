@@ -21,6 +21,9 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
   bucket is first met and again every RECALIBRATE_INTERVAL steps while the batch drafts, so
   the comparison with speculation rests on this machine's current times, not on the prior.
+- exploring: the chooser only times the N it drafts, so an N that the prior prices a little
+  worse than the best is drafted for a few steps once per batch bucket, once the best is
+  timed, to be timed too (on a GPU: `CUDA_EXPLORE_MARGIN`).
 - probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
   one step every `probe_interval` steps. The interval doubles at each probe that finds the
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
@@ -87,6 +90,15 @@ MAX_PROBE_FLOOR = 1024
 # decode steps that commits 1.4 tokens loses nothing; one of 2 steps that commits 1.0 is kept
 # 50 steps apart).
 PROBE_BUDGET = 0.02
+# Once the best N is timed, an allowed N still priced by the prior alone is drafted for
+# EXPLORE_STEPS steps (enough for STEADY_AFTER untimed ones and a timed one) when the prior puts
+# it within the prior's `explore_margin` of the best rate and above plain decoding's: once per
+# batch bucket and N. On a GPU the prior is one line through every N where a real step's cost
+# is not (a 27B verify of 32 x 4 rows still reads weights where 32 x 8 computes), and an N never
+# drafted is never timed: CUDA_EXPLORE_MARGIN. On the CPU the prior is a fit of measured steps
+# (cost grows with rows) and every N up to the cap is allowed: no exploring.
+CUDA_EXPLORE_MARGIN = 0.2
+EXPLORE_STEPS = STEADY_AFTER + 3
 
 
 @dataclass(frozen=True)
@@ -102,11 +114,13 @@ class CostPrior:
 
     drafter_overhead: float
     per_row: float
+    # How far below the best rate (a share of it) an N priced by this prior alone is explored.
+    explore_margin: float = 0.0
 
     @classmethod
     def for_device(cls, device_type: str, num_threads: int = 2) -> CostPrior:
         if device_type == "cuda":
-            return cls(drafter_overhead=0.35, per_row=0.005)
+            return cls(drafter_overhead=0.35, per_row=0.005, explore_margin=CUDA_EXPLORE_MARGIN)
         if num_threads == 1:
             return cls(drafter_overhead=0.3, per_row=0.11)
         return cls(drafter_overhead=0.1, per_row=0.07)
@@ -196,6 +210,9 @@ class DraftLengthChooser:
     probe_timing: tuple[int, int, float] | None = None
     # bucket -> the last few probes' extra seconds over as many decode steps as their span
     probe_extra: dict[int, deque[float]] = field(default_factory=dict)
+    # (bucket, N) explored already, and the exploration under way: (batch, N, steps left).
+    explored: set[tuple[int, int]] = field(default_factory=set)
+    exploring: tuple[int, int, int] | None = None
     # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
     expected: list[list[float]] = field(init=False)
     allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
@@ -289,22 +306,25 @@ class DraftLengthChooser:
             return allowed[0]
         if self._calibrating(batch):
             return 0
+        if (explored := self._continue_exploring(batch, allowed)) is not None:
+            return explored
         prior_bin = round(self.prior_alpha * ALPHA_BINS)
         counts: dict[int, int] = {}
         for e in estimates:
             b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
             counts[b] = counts.get(b, 0) + 1
-        best, best_rate = 0, 0.0
+        rates = {}
         for n in allowed:
             tokens = self._batch_tokens(counts, n)
             # Drafting must beat plain decoding by a margin: step costs are measured, and
             # noise alone must not keep a batch drafting when nothing is accepted.
-            rate = tokens / self.costs.cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
-            if rate > best_rate:
-                best, best_rate = n, rate
+            rates[n] = tokens / self.costs.cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
+        best = max(allowed, key=lambda n: (rates[n], -n))
+        if rates[best] <= 0.0:
+            best = 0
         if best:
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
-            return best
+            return self._explore(batch, best, rates)
         self.steps_since_drafting += 1
         mean_bin = sum(b * c for b, c in counts.items()) / max(sum(counts.values()), 1)
         if self.steps_since_drafting < self.probe_interval:
@@ -318,6 +338,40 @@ class DraftLengthChooser:
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
         self.probe_timing = (batch, PROBE_SPAN, 0.0)
         return probe
+
+    def _explore(self, batch: int, best: int, rates: dict[int, float]) -> int:
+        """`best`, or an untimed N to explore (`CUDA_EXPLORE_MARGIN`), whose first step this
+        is."""
+        bucket = StepCostModel.bucket(batch)
+        if not self.costs.has(batch, best):
+            return best
+        margin = self.costs.prior.explore_margin
+        if not margin:
+            return best
+        floor = max(rates[best] * (1.0 - margin), rates.get(0, 0.0))
+        untimed = [
+            n
+            for n, rate in rates.items()
+            if n and rate > floor and (bucket, n) not in self.explored
+            and not self.costs.has(batch, n)
+        ]  # fmt: skip
+        if not untimed:
+            return best
+        n = max(untimed, key=lambda n: rates[n])
+        self.explored.add((bucket, n))
+        self.exploring = (batch, n, EXPLORE_STEPS - 1)
+        return n
+
+    def _continue_exploring(self, batch: int, allowed: tuple[int, ...]) -> int | None:
+        """The N under exploration while its steps last at the same batch; else None."""
+        if self.exploring is None:
+            return None
+        explored_batch, n, left = self.exploring
+        if explored_batch != batch or n not in allowed:
+            self.exploring = None
+            return None
+        self.exploring = (batch, n, left - 1) if left > 1 else None
+        return n
 
     def _batch_tokens(self, counts: dict[int, int], num_drafts: int) -> float:
         """Tokens the batch's next verify commits on average at N drafts; `counts`: requests

@@ -5,6 +5,7 @@ expected tokens per second."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from types import SimpleNamespace
@@ -354,3 +355,83 @@ def test_fresh_drafter_is_drafted_once_decode_is_timed() -> None:
         prior = chooser.costs.prior
         best = max(range(NUM_SPEC + 1), key=lambda n: expected_tokens(0.6, n) / prior(1, n))
         assert chosen == [0] * CALIBRATION_STEPS + [best] and best > 0, (device, threads, chosen)
+
+
+def run_timed(
+    chooser: DraftLengthChooser,
+    alphas: list[float],
+    r: random.Random,
+    steps: int,
+    seconds: dict[int, float],  # the true cost of a uniform step at each N
+) -> list[int]:
+    """`run`, with every step's wall time given to `record_if_uniform` as the engine does: a
+    uniform step (verifies and proposes N) costs seconds[N], a step changing N the mean of the
+    two."""
+    estimates = [AcceptanceEstimate() for _ in alphas]
+    chosen, pending = [], 0
+    for _ in range(steps):
+        n = chooser.choose(estimates, len(alphas))
+        for e, alpha in zip(estimates, alphas, strict=True):
+            if pending:
+                chooser.observe(e, accepted_run(r, alpha, pending), pending)
+        chunk = SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))
+        wall = seconds[n] if n == pending else (seconds[n] + seconds[pending]) / 2
+        chooser.record_if_uniform([chunk] * len(alphas), n, wall)
+        chosen.append(n)
+        pending = n
+    return chosen
+
+
+def trusted_chooser(alpha: float, explore: bool = True) -> DraftLengthChooser:
+    """'auto' on CUDA (0, 3 or 7 drafts at 32 requests) with a drafter history at `alpha`;
+    `explore` False: its prior's explore_margin 0."""
+    chooser = DraftLengthChooser.for_device(DraftSchedule.resolve("auto", 15, "cuda"), "cuda")
+    chooser.prior_accepted, chooser.prior_rejected = 100 * alpha, 100 * (1 - alpha)
+    if not explore:
+        chooser.costs.prior = dataclasses.replace(chooser.costs.prior, explore_margin=0.0)
+    return chooser
+
+
+def test_explores_a_draft_length_the_prior_prices_close_to_the_best(rng) -> None:
+    """Where 3 drafts cost much less than the prior's straight line says (a 27B verify of
+    32 x 4 rows still reads weights, of 32 x 8 computes), the chooser, once its pick (7) is
+    timed, drafts 3 for a few steps, times it and keeps it, exploring it once. Without
+    exploring it would stay at 7."""
+    r = py_random(rng)
+    batch, decode = 32, r.uniform(0.01, 0.03)
+    seconds = {0: decode, 3: 1.4 * decode, 7: 2.5 * decode}
+    alphas = [r.uniform(0.82, 0.9) for _ in range(batch)]
+    chooser = trusted_chooser(0.86)
+    assert chooser.schedule.allowed(chooser.schedule.num_drafts(batch)) == (0, 3, 7)
+    chosen = run_timed(chooser, alphas, r, 80, seconds)
+    assert 3 not in chosen[: chosen.index(7)]  # the prior's pick first
+    assert chosen[-30:] == [3] * 30, chosen
+    assert chooser.explored == {(StepCostModel.bucket(batch), 3)}
+    chosen = run_timed(trusted_chooser(0.86, explore=False), alphas, r, 80, seconds)
+    assert 3 not in chosen and chosen[-30:] == [7] * 30, chosen
+
+
+def test_no_exploration_where_the_prior_prices_an_n_far_below_the_best(rng) -> None:
+    """Drafts that nearly always land make 7 drafts worth far more than 3 at the prior's costs:
+    3 is never drafted, and step costs that match the prior leave the choice at 7."""
+    r = py_random(rng)
+    chooser = trusted_chooser(0.99)
+    batch, decode = 32, r.uniform(0.01, 0.03)
+    seconds = {n: decode * chooser.costs.prior(batch, n) for n in (0, 3, 7)}
+    chosen = run_timed(chooser, [0.99] * batch, r, 60, seconds)
+    assert 3 not in chosen and chosen[-20:] == [7] * 20, chosen
+    assert not chooser.explored
+
+
+def test_no_exploration_on_the_cpu(rng) -> None:
+    """The CPU's prior is a fit of its measured steps and every N up to the cap is allowed:
+    the chooser drafts the N it prices best, exploring none."""
+    assert CostPrior.for_device("cpu", 1).explore_margin == 0.0
+    assert CostPrior.for_device("cpu", 2).explore_margin == 0.0
+    assert CostPrior.for_device("cuda").explore_margin > 0.0
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    decode = r.uniform(0.01, 0.03)
+    seconds = {n: decode * (1.0 + 0.1 * n) for n in range(NUM_SPEC + 1)}
+    chosen = run_timed(chooser, [0.95], r, 60, seconds)
+    assert not chooser.explored and chosen[-20:] == [NUM_SPEC] * 20, chosen
