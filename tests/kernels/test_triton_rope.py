@@ -37,6 +37,20 @@ pytestmark = needs_triton
 ROPE_SHAPES = [(64, 4, 2, None), (80, 3, 1, 2), (96, 2, 2, None), (128, 2, 1, None)]
 
 
+def slots_and_caches(
+    rng: torch.Generator, num_tokens: int, cache_shape: tuple[int, int, int, int], dtype
+) -> tuple[torch.Tensor, ...]:
+    """Slot mapping (distinct slots, the pool's last block reserved for the twin's PAD rows, a
+    third of the rows PAD), NaN key and value caches (a slot the kernel misses, or a PAD row it
+    writes, shows up) and a copy of each for the twin."""
+    num_blocks, block_size = cache_shape[:2]
+    slots = torch.randperm((num_blocks - 1) * block_size, generator=rng)[:num_tokens]
+    slots[torch.randperm(num_tokens, generator=rng)[: num_tokens // 3]] = PAD_SLOT_ID
+    key_cache = torch.full(cache_shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full_like(key_cache, float("nan"))
+    return slots.to(DEVICE), key_cache, value_cache, key_cache.clone(), value_cache.clone()
+
+
 @pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "d{}-h{}-kv{}-bh{}".format(*s))
 @pytest.mark.parametrize("num_tokens", [0, 1, 5])
 @pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "norm-rope"])
@@ -95,16 +109,9 @@ def test_qk_norm_rope_store(
     # The values: the third slice of the fused projection q and k come from (strided rows).
     value = key.as_strided(key.shape, key.stride(), num_kv_heads * head_dim + key.storage_offset())
     caches = (rotary.cos_cache, rotary.sin_cache)
-    # Distinct slots, the pool's last block reserved (the twin sends PAD rows there), and a
-    # third of the rows PAD.
-    slots = torch.randperm((num_blocks - 1) * block_size, generator=rng)[:num_tokens]
-    slots[torch.randperm(num_tokens, generator=rng)[: num_tokens // 3]] = PAD_SLOT_ID
-    slots = slots.to(DEVICE)
-    shape_c = (num_blocks, block_size, num_kv_heads, head_dim)
-    # NaN everywhere: a slot the kernel misses, or a PAD row it writes, shows up.
-    key_cache = torch.full(shape_c, float("nan"), dtype=cache_dtype, device=DEVICE)
-    value_cache = torch.full_like(key_cache, float("nan"))
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    slots, key_cache, value_cache, expected_k, expected_v = slots_and_caches(
+        rng, num_tokens, (num_blocks, block_size, num_kv_heads, head_dim), cache_dtype
+    )
     expected = qk_norm_rope_store_torch(
         query, key, value, positions, *caches, q_w, k_w, 1e-6, expected_k, expected_v, slots
     )
@@ -266,13 +273,9 @@ def test_qk_norm_rope_store_offset_partial(
     )
     caches = (rotary.cos_cache, rotary.sin_cache)
     offset = norm == "offset"
-    slots = torch.randperm((num_blocks - 1) * block_size, generator=rng)[:num_tokens]
-    slots[torch.randperm(num_tokens, generator=rng)[: num_tokens // 3]] = PAD_SLOT_ID
-    slots = slots.to(DEVICE)
-    shape_c = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape_c, float("nan"), dtype=cache_dtype, device=DEVICE)
-    value_cache = torch.full_like(key_cache, float("nan"))
-    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    slots, key_cache, value_cache, expected_k, expected_v = slots_and_caches(
+        rng, num_tokens, (num_blocks, block_size, num_kv_heads, head_dim), cache_dtype
+    )
     expected = qk_norm_rope_store_torch(
         query, key, value, positions, *caches, q_w, k_w, 1e-6, expected_k, expected_v, slots,
         norm_offset=offset,
