@@ -398,7 +398,14 @@ def main() -> None:
         default=8,
         help="also run DFlash with this block size at the two top concurrencies",
     )
-    p.add_argument("--profile", action="store_true", help="profile batch-1 steps")
+    p.add_argument("--profile", action="store_true", help="profile steps (--profile-batches)")
+    p.add_argument(
+        "--profile-batches",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="with --profile: the batch sizes whose AR and N = 15 steps are profiled",
+    )
     p.add_argument("--skip-drafter", action="store_true", help="skip d. (the shipped drafter)")
     p.add_argument("--drafter-prompts", type=int, default=5, help="d.: prompts per set")
     p.add_argument(
@@ -516,7 +523,7 @@ def main() -> None:
     kw = dict(
         load_format="dummy",
         max_model_len=args.prompt_len + args.new_tokens + 64,
-        max_num_seqs=max(args.concurrency + args.batches),
+        max_num_seqs=max(args.concurrency + args.batches + args.profile_batches),
         async_decode=args.async_decode,
         kernel_policy=policy,
     )
@@ -568,7 +575,9 @@ def main() -> None:
         }
 
     ar_conc = by_concurrency(ar, "AR conc")
-    prof_rows = profile_steps(ar, prompt, args.steps, "AR") if args.profile else []
+    prof_rows = []
+    for b in args.profile_batches if args.profile else []:
+        prof_rows += profile_steps(ar, prompt, args.steps, f"AR b{b}", batch=b)
     del ar
     torch.cuda.empty_cache()
     sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
@@ -578,8 +587,8 @@ def main() -> None:
     }
     fixed_conc = by_concurrency(sd, "N=15 conc")
     fixed_tau = sd.engine.spec_stats.mean_acceptance_length
-    if args.profile:
-        prof_rows += profile_steps(sd, prompt, args.steps, "DFlash N=15")
+    for b in args.profile_batches if args.profile else []:
+        prof_rows += profile_steps(sd, prompt, args.steps, f"N=15 b{b}", batch=b)
     del sd
     torch.cuda.empty_cache()
     # The default: N by batch size, as users get it.
@@ -664,7 +673,7 @@ def main() -> None:
         )
     if prof_rows:
         results["profile_ms"] = prof_rows
-        print_table("profile, batch 1, ms per step", ["mode", "what", "ms"], prof_rows)
+        print_table("profile, ms per step", ["mode", "what", "ms"], prof_rows)
     # A kernel first specialised inside a timed pass is a stall in that figure.
     stalls = compiles.by_phase()
     results["triton_compiles_in_timed_phases"] = stalls if compiles.installed else None
