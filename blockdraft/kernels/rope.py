@@ -113,10 +113,9 @@ def rope_store_attention_torch(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     positions: torch.Tensor,  # [num_tokens] int64
-    # Whole heads: the attention kernel's rotation (triton_rope_store_attention) has no partial
-    # rotary and no offset norms.
-    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
-    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    # No offset norms: the attention kernel's rotation (triton_rope_store_attention) has none.
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32, rotary_dim <= head_dim
+    sin_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32
     q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
     k_norm_weight: torch.Tensor | None,  # [head_dim]
     eps: float,

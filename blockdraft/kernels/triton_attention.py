@@ -306,11 +306,14 @@ def _step_kv_problem(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim / 2]
 ) -> str | None:
     """What keeps the attention kernel from norming, rotating and storing this step itself
     (`step_kv`), or None."""
     if query.shape[-1] % 2 or any(t.stride(-1) != 1 for t in (query, key, value)):
         return "RoPE needs an even, contiguous head_dim"
+    if 2 * cos_cache.shape[-1] != query.shape[-1]:
+        return "step_kv rotates whole heads (a partial rotary table takes the RoPE kernel)"
     if (q_norm_weight is None) != (k_norm_weight is None):
         return "q and k norms come together"
     weights = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
@@ -329,7 +332,9 @@ def _check_step_kv(
     if kv.key.shape != expected or kv.value.shape != expected:
         raise ValueError(f"step keys {tuple(kv.key.shape)} / values {tuple(kv.value.shape)} "
                          f"are not {expected}")  # fmt: skip
-    problem = _step_kv_problem(query, kv.key, kv.value, kv.q_norm_weight, kv.k_norm_weight)
+    problem = _step_kv_problem(
+        query, kv.key, kv.value, kv.q_norm_weight, kv.k_norm_weight, kv.cos_cache
+    )
     if problem:
         raise ValueError(problem)
     if kv.slot_mapping.shape != (num_tokens,) or kv.positions.shape != (num_tokens,):
@@ -342,6 +347,7 @@ def rope_fits_attention(
     value: torch.Tensor,
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim / 2]
     meta: AttentionMetadata,
 ) -> bool:
     """Whether the attention kernel can norm, rotate and store this step itself (`step_kv`)."""
@@ -350,7 +356,7 @@ def rope_fits_attention(
         0 < rows <= current_kernel_policy().rope_in_attention_max_query_len
         and group >= 1
         and _block_m(rows, group) // group >= rows  # one tile a sequence
-        and _step_kv_problem(query, key, value, q_norm_weight, k_norm_weight) is None
+        and _step_kv_problem(query, key, value, q_norm_weight, k_norm_weight, cos_cache) is None
     )
 
 
@@ -359,8 +365,8 @@ def triton_rope_store_attention(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     positions: torch.Tensor,  # [num_tokens] int64
-    cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
-    sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+    cos_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32, rotary_dim <= head_dim
+    sin_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32
     q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm (Llama)
     k_norm_weight: torch.Tensor | None,  # [head_dim]
     eps: float,
@@ -376,7 +382,7 @@ def triton_rope_store_attention(
     """`triton_qk_norm_rope_store` then `triton_paged_attention` on the rotated queries: the
     `rope_store_attention_torch` contract. A decode forward does both in the attention kernel
     (KernelPolicy.rope_in_attention_max_query_len), one launch a layer less."""
-    if rope_fits_attention(query, key, value, q_norm_weight, k_norm_weight, meta):
+    if rope_fits_attention(query, key, value, q_norm_weight, k_norm_weight, cos_cache, meta):
         step_kv = StepKV(key, value, positions, cos_cache, sin_cache, q_norm_weight,
                          k_norm_weight, eps, meta.slot_mapping)  # fmt: skip
         return triton_paged_attention(

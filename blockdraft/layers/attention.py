@@ -83,21 +83,15 @@ class PagedAttention(nn.Module):
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before k norm and RoPE
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         positions: torch.Tensor,  # [num_tokens] int64
-        cos_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
-        sin_cache: torch.Tensor,  # [max_position, head_dim / 2] float32
+        cos_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32
+        sin_cache: torch.Tensor,  # [max_position, rotary_dim / 2] float32
         q_norm_weight: torch.Tensor | None,  # [head_dim]; None: no q/k norm
         k_norm_weight: torch.Tensor | None,  # [head_dim]
         eps: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """q/k norm and RoPE, this step's keys and values into the cache, then `attend`: one
         kernel on the Triton path where the policy's `rope_in_attention_max_query_len` covers
-        the forward (decode by default), two otherwise. Whole-head rotary only: a partial
-        table (Qwen3.5's gated attention) goes through `RotaryEmbedding.forward_store`."""
-        if 2 * cos_cache.shape[-1] != query.shape[-1]:
-            raise ValueError(
-                f"rope_store_attend rotates whole heads: a table of {cos_cache.shape[-1]} "
-                f"angles does not cover head_dim {query.shape[-1]} (partial rotary)"
-            )
+        the forward (decode by default) and the table rotates whole heads, two otherwise."""
         meta = self.metadata()
         return self._rope_store_attention(query.device)(
             query, key, value, positions, cos_cache, sin_cache, q_norm_weight, k_norm_weight,

@@ -240,6 +240,7 @@ def rope_attention_case(
     num_kv_heads: int,
     head_dim: int,
     qk_norm: bool,
+    partial_rotary_factor: float = 1.0,
 ) -> tuple[dict, dict]:
     """Inputs of `triton_rope_store_attention` / `rope_store_attention_torch` over scattered
     pages (the twin's caches a copy), the first sequence's slot PAD; the step's keys in the
@@ -253,7 +254,9 @@ def rope_attention_case(
     num_tokens = sum(query_lens)
     meta.slot_mapping[0] = PAD_SLOT_ID
     qkv = randn(rng, num_tokens, num_heads + 2 * num_kv_heads + 1, head_dim)  # strided views
-    rotary = RotaryEmbedding(head_dim, 128, 10000.0, None).to(DEVICE)
+    rotary = RotaryEmbedding(
+        head_dim, 128, 10000.0, None, partial_rotary_factor=partial_rotary_factor
+    ).to(DEVICE)
     weights = (1 + 0.2 * randn(rng, head_dim), 1 + 0.2 * randn(rng, head_dim))
     args = dict(
         query=qkv[:, :num_heads], key=qkv[:, num_heads : num_heads + num_kv_heads],
@@ -326,8 +329,8 @@ def test_attention_norms_rotates_and_stores_the_step(
 
 def test_rope_store_attention_fused_or_not(rng, monkeypatch, set_policy) -> None:
     """The public wrapper: launches of at most the policy's rope_in_attention_max_query_len
-    query rows take
-    the fused kernel, others (and all with 0) run the RoPE kernel first; all equal the twin."""
+    query rows take the fused kernel, others (and all with 0, and a partial rotary table,
+    which the attention kernel cannot rotate) run the RoPE kernel first; all equal the twin."""
     calls = []
     rope_kernel = triton_attention.triton_qk_norm_rope_store
 
@@ -336,11 +339,13 @@ def test_rope_store_attention_fused_or_not(rng, monkeypatch, set_policy) -> None
         return rope_kernel(*a, **kw)
 
     monkeypatch.setattr(triton_attention, "triton_qk_norm_rope_store", counting)
-    for query_lens, max_rows, expect_calls in (([1, 1], 1, 0), ([3, 2], 1, 1), ([1, 1], 0, 1),
-                                               ([3, 2], 16, 0)):  # fmt: skip
+    for query_lens, max_rows, partial, expect_calls in (
+        ([1, 1], 1, 1.0, 0), ([3, 2], 1, 1.0, 1), ([1, 1], 0, 1.0, 1), ([3, 2], 16, 1.0, 0),
+        ([1, 1], 1, 0.5, 1),
+    ):  # fmt: skip
         set_policy(rope_in_attention_max_query_len=max_rows)
         calls.clear()
-        args, cached = rope_attention_case(rng, [21, 40], query_lens, 4, 2, 16, True)
+        args, cached = rope_attention_case(rng, [21, 40], query_lens, 4, 2, 16, True, partial)
         twin = {k: cached[k].clone() for k in ("key_cache", "value_cache")}
         expected = rope_store_attention_torch(**args, **{**cached, **twin})
         got = triton_attention.triton_rope_store_attention(**args, **cached)
@@ -358,6 +363,12 @@ def test_step_kv_is_checked(rng) -> None:
     with pytest.raises(ValueError, match="q and k norms come together"):
         triton_paged_attention(args["query"], cached["key_cache"], cached["value_cache"],
                                cached["meta"], 0.25, step_kv=step_kv)  # fmt: skip
+    half_table = step_kv._replace(k_norm_weight=args["k_norm_weight"],
+                                  cos_cache=args["cos_cache"][:, :4],
+                                  sin_cache=args["sin_cache"][:, :4])  # fmt: skip
+    with pytest.raises(ValueError, match="whole heads"):
+        triton_paged_attention(args["query"], cached["key_cache"], cached["value_cache"],
+                               cached["meta"], 0.25, step_kv=half_table)  # fmt: skip
     long, cached = rope_attention_case(rng, [9, 12], [9, 1], 4, 2, 16, True)
     step_kv = triton_attention.StepKV(
         long["key"], long["value"], long["positions"], long["cos_cache"], long["sin_cache"],

@@ -17,7 +17,6 @@ import torch
 
 from blockdraft.kernels import triton_rope
 from blockdraft.kernels.forward_context import forward_context
-from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention, output_gate
 from blockdraft.layers.linear import linear
 from blockdraft.layers.rotary import RotaryEmbedding
@@ -168,14 +167,3 @@ def test_output_gate_is_transformers_expression(rng, dtype: torch.dtype) -> None
         flat = out.flatten(1)
         expected = flat * torch.sigmoid(gate.reshape(flat.shape))
         torch.testing.assert_close(output_gate(out, gate).flatten(1), expected, atol=0, rtol=0)
-
-
-def test_attention_kernel_rope_refuses_a_partial_table() -> None:
-    """The attention kernel's own RoPE rotates whole heads: a partial rotary table (as the
-    gated layer's) is refused by name, not rotated wrongly."""
-    attn = PagedAttention(num_heads=2, num_kv_heads=1, head_dim=16)
-    q, k = torch.zeros(3, 2, 16), torch.zeros(3, 1, 16)
-    table = torch.zeros(32, 4)  # rotary_dim 8 of head_dim 16
-    with pytest.raises(ValueError, match="partial rotary"):
-        attn.rope_store_attend(q, k, k, torch.zeros(3, dtype=torch.int64), table, table,
-                               None, None, 1e-6)  # fmt: skip
