@@ -21,13 +21,11 @@ import torch
 from torch import nn
 
 from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
-from blockdraft.kernels.forward_context import current_kernel_policy
-from blockdraft.kernels.select import needs_autograd
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 from blockdraft.layers.norm import OffsetRMSNorm
 from blockdraft.layers.rotary import RotaryEmbedding
-from blockdraft.layers.self_attention import head_shards
+from blockdraft.layers.self_attention import head_shards, rope_stores_kv
 
 
 class GatedSelfAttention(nn.Module):
@@ -79,12 +77,6 @@ class GatedSelfAttention(nn.Module):
         # Both norms are built with the config's eps; the fused kernel takes one.
         return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps
 
-    def fuses_kv_store(self, *tensors: torch.Tensor) -> bool:
-        """Whether the RoPE kernel stores the keys and values (`fuse_kv_store_into_rope` of the
-        kernel policy): not under autograd, which the separate store's path keeps for training."""
-        fuse = current_kernel_policy().fuse_kv_store_into_rope
-        return fuse and not needs_autograd(*tensors, *self._norms()[:2])
-
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
@@ -102,7 +94,7 @@ class GatedSelfAttention(nn.Module):
         q, gate = q_gate.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         kv_heads = (-1, self.num_kv_heads, self.head_dim)
         k, v = k.reshape(kv_heads), v.reshape(kv_heads)
-        if self.fuses_kv_store(q, k, v):
+        if rope_stores_kv(q, k, v, *self._norms()[:2]):
             attn = self.attn
             cache = attn.key_cache, attn.value_cache
             slots = attn.metadata().slot_mapping

@@ -35,6 +35,13 @@ def head_shards(tp: TensorParallel, num_heads: int, num_kv_heads: int) -> tuple[
     return q_start, q_stop - q_start, q_start // (num_heads // num_kv_heads), 1
 
 
+def rope_stores_kv(*tensors: torch.Tensor | None) -> bool:
+    """Whether the RoPE kernel stores the keys and values (`fuse_kv_store_into_rope` of the
+    kernel policy): not under autograd (of `tensors`: the step's heads and the q/k norm
+    weights), which the separate store's path keeps for training."""
+    return current_kernel_policy().fuse_kv_store_into_rope and not needs_autograd(*tensors)
+
+
 class SelfAttention(nn.Module):
     def __init__(
         self,
@@ -133,10 +140,8 @@ class SelfAttention(nn.Module):
         return self.q_norm.weight, self.k_norm.weight, self.k_norm.eps
 
     def fuses_kv_store(self, *tensors: torch.Tensor) -> bool:
-        """Whether the RoPE kernel stores the keys and values (`fuse_kv_store_into_rope` of the
-        kernel policy): not under autograd, which the separate store's path keeps for training."""
-        fuse = current_kernel_policy().fuse_kv_store_into_rope
-        return fuse and not needs_autograd(*tensors, *self._norms()[:2])
+        """`rope_stores_kv` for these step tensors and this layer's q/k norm weights."""
+        return rope_stores_kv(*tensors, *self._norms()[:2])
 
     def norm_rope(
         self,
