@@ -342,12 +342,10 @@ class DraftLengthChooser:
     def _explore(self, batch: int, best: int, rates: dict[int, float]) -> int:
         """`best`, or an untimed N to explore (`CUDA_EXPLORE_MARGIN`), whose first step this
         is."""
-        bucket = StepCostModel.bucket(batch)
-        if not self.costs.has(batch, best):
-            return best
         margin = self.costs.prior.explore_margin
-        if not margin:
+        if not margin or not self.costs.has(batch, best):
             return best
+        bucket = StepCostModel.bucket(batch)
         floor = max(rates[best] * (1.0 - margin), rates.get(0, 0.0))
         untimed = [
             n
