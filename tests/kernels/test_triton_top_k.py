@@ -29,11 +29,13 @@ def test_top_k_equals_torch(rng, rows: int, vocab: int, k: int) -> None:
 
 
 def test_ties_take_the_lowest_columns(rng) -> None:
-    """Few distinct values over two first-pass programs, -inf among them: the values equal
-    torch's, the columns are a stable descending sort's."""
+    """Few distinct values over two first-pass programs, -inf among them (a whole row of it):
+    the values equal torch's, the columns are a stable descending sort's; the group maxima tie
+    across the second pass's chunks."""
     vocab, k = WIDE + 500, 12
     x = torch.randint(-3, 3, (2, 3, vocab), generator=rng).float().to(DEVICE)
     x[0, 0, ::3] = float("-inf")
+    x[0, 1] = float("-inf")  # every group's maximum -inf: the lowest columns
     x[1, 2, WIDE - 2 : WIDE + 30] = 9.0  # ties across the programs' boundary
     values, columns = triton_top_k(x, k)
     assert values.shape == columns.shape == (2, 3, k)
