@@ -322,6 +322,13 @@ def moe_step_reads(cfg: dict, bandwidth: float) -> list[list[float]]:
     return rows
 
 
+def chooser_costs_ms(llm: LLM) -> dict[str, float]:
+    """The step times the "auto" chooser measured: "bucket b, N" -> ms (bucket b holds batches
+    2^(b-1) .. 2^b - 1)."""
+    measured = llm.engine.draft_length.costs.measured
+    return {f"bucket {b}, N={n}": 1e3 * t for (b, n), t in sorted(measured.items())}
+
+
 def schedule_text(llm: LLM) -> str:
     s = llm.engine.draft_schedule
     steps = zip(s.min_batches, s.num_drafts_at, strict=True)
@@ -404,7 +411,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[1],
-        help="with --profile: the batch sizes whose AR and N = 15 steps are profiled",
+        help="with --profile: batch sizes whose AR, N = 15 and default steps are profiled",
     )
     p.add_argument("--skip-drafter", action="store_true", help="skip d. (the shipped drafter)")
     p.add_argument("--drafter-prompts", type=int, default=5, help="d.: prompts per set")
@@ -599,6 +606,10 @@ def main() -> None:
     results["concurrency_tok_s"] = {"ar": ar_conc, "dflash": sd_conc, "dflash_n15": fixed_conc}
     results["mean_acceptance_length"] = auto.engine.spec_stats.mean_acceptance_length
     results["mean_acceptance_length_n15"] = fixed_tau
+    results["auto_steps_by_n"] = dict(sorted(auto.engine.spec_stats.steps_by_num_drafts.items()))
+    results["auto_step_ms"] = chooser_costs_ms(auto)
+    for b in args.profile_batches if args.profile else []:
+        prof_rows += profile_steps(auto, prompt, args.steps, f"auto b{b}", batch=b)
     del auto
     torch.cuda.empty_cache()
     small_conc: dict[int, float] = {}
@@ -663,6 +674,10 @@ def main() -> None:
             ]
             for c in args.concurrency
         ],
+    )
+    print(
+        f"default schedule: steps by chosen N {results['auto_steps_by_n']}; step ms it measured "
+        + ", ".join(f"{k} {v:.2f}" for k, v in results["auto_step_ms"].items())
     )
     if small_conc:
         print_table(
