@@ -52,6 +52,16 @@ EXTRA_SHAPES = {
     "dflash2_selector": (256, 4096, 1),
     "a3b_o": (2048, 4096, 48),
     "a3b_shared_down": (2048, 512, 40),
+    # Qwen3.5-27B (hidden 5120): the gated attention's fused q (with its gate) + k + v and its
+    # o_proj (16 layers), the Gated DeltaNet's fused qkv + z + b + a and its out_proj (48), the
+    # MLP (64), the head.
+    "q35_27b_qkv": (14336, 5120, 16),
+    "q35_27b_o": (5120, 6144, 16),
+    "q35_27b_gdn_in": (16480, 5120, 48),
+    "q35_27b_gdn_out": (5120, 6144, 48),
+    "q35_27b_gate_up": (34816, 5120, 64),
+    "q35_27b_down": (5120, 17408, 64),
+    "q35_27b_lm_head": (248320, 5120, 1),
 }
 ROTATE_BYTES = 256 * 1024**2  # weight copies cycled per timing: well past the 50 MB L2
 MAX_REL_ERR = 1e-2  # bf16 output rounding is ~4e-3 of the largest value
