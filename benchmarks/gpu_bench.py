@@ -129,10 +129,31 @@ def decode_tok_s(
     reps: int = 3,
     log: TritonCompileLog | None = None,
     phase: str = "",
+    waves: int = 1,
 ) -> float:
     """Median tok/s of `reps` timed generations of `batch` copies of `prompt` (kernels first
-    specialised while they run are logged under `phase`)."""
+    specialised while they run are logged under `phase`). `waves` > 1: `waves * batch` copies
+    with at most `batch` running at once, a new one starting as one finishes (a serving
+    benchmark's fixed concurrency: one ramp-down per pass, not one per `batch` requests)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    scheduler = llm.engine.scheduler
+    cap, scheduler.max_num_seqs = scheduler.max_num_seqs, min(scheduler.max_num_seqs, batch)
+    try:
+        return _decode_tok_s(llm, prompt, batch, params, reps, log, phase, waves)
+    finally:
+        scheduler.max_num_seqs = cap
+
+
+def _decode_tok_s(
+    llm: LLM,
+    prompt: list[int],
+    batch: int,
+    params: SamplingParams,
+    reps: int,
+    log: TritonCompileLog | None,
+    phase: str,
+    waves: int,
+) -> float:
     # Twice: the second call takes the cached-prefix prefill path, which the timed call takes
     # too; Triton compiles each kernel variant on first use, and that must not be timed.
     for _ in range(2):
@@ -145,7 +166,7 @@ def decode_tok_s(
     with log.timed(phase) if log is not None else contextlib.nullcontext():
         for _ in range(reps):  # one short pass (64 tokens) spread by up to ~20% run to run
             t0 = now()
-            outs = llm.generate([prompt] * batch, params, use_tqdm=False)
+            outs = llm.generate([prompt] * (batch * waves), params, use_tqdm=False)
             rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (now() - t0))
     return statistics.median(rates)
 
@@ -397,6 +418,13 @@ def main() -> None:
         help="timed passes at every concurrency (default: 24 at 1, fewer above; a pass of long "
         "requests at concurrency 1 takes seconds on a large model)",
     )
+    p.add_argument(
+        "--conc-waves",
+        type=int,
+        default=1,
+        help="requests per pass as a multiple of the concurrency, at most that many running at "
+        "once (default 1: one wave, all starting and ending together)",
+    )
     p.add_argument("--accept", type=float, default=0.86)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument(
@@ -516,6 +544,7 @@ def main() -> None:
     policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
     results["conc_tokens"] = conc_tokens
+    results["conc_waves"] = args.conc_waves
     results["async_decode"] = "auto" if args.async_decode is None else args.async_decode
     results["kernel_policy"] = dataclasses.asdict(policy)
     shape = SHAPES[args.shape]
@@ -577,6 +606,7 @@ def main() -> None:
                 conc_reps(c, args.conc_reps),
                 log=compiles,
                 phase=f"c. {label} {c}",
+                waves=args.conc_waves,
             )
             for c in tqdm(args.concurrency, label)
         }
@@ -618,7 +648,16 @@ def main() -> None:
         top = sorted(args.concurrency)[-2:]
         small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
         small_conc = {
-            c: decode_tok_s(small, prompt, c, conc_tokens, log=compiles, phase=f"c'. block {c}")
+            c: decode_tok_s(
+                small,
+                prompt,
+                c,
+                conc_tokens,
+                conc_reps(c, args.conc_reps),
+                log=compiles,
+                phase=f"c'. block {c}",
+                waves=args.conc_waves,
+            )
             for c in top
         }
         small_tau = small.engine.spec_stats.mean_acceptance_length
@@ -633,7 +672,8 @@ def main() -> None:
     print(
         f"\n{results['hardware']}, {results['date']}; {results['shape']} shapes, "
         "random bf16 weights, "
-        f"prompt {args.prompt_len}, {args.new_tokens} new tokens ({conc_tokens} in c)"
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens ({conc_tokens} in c, "
+        f"{args.conc_waves} wave(s) of requests a pass)"
     )
     # The generate figure includes each call's start and its prefix-cached prefill; the steady
     # figure is one decode step's (b.'s batch-1 decode), what the roofline bounds.

@@ -458,3 +458,34 @@ def test_prefill_bench_needs_a_gpu(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
         prefill_bench.main([])
+
+
+def test_decode_tok_s_waves_keep_the_concurrency(tmp_path) -> None:
+    """With waves, `waves * batch` requests run at most `batch` at a time (the scheduler's cap
+    is lowered for the call and restored after), and every request's tokens count."""
+    from benchmarks import gpu_bench
+    from benchmarks.drafter_step_bench import TINY
+    from blockdraft import LLM
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    llm = LLM(str(tmp_path), load_format="dummy", max_num_seqs=8)
+    running: list[int] = []
+    step = llm.engine.step
+
+    def counted_step():
+        running.append(llm.engine.num_running)
+        return step()
+
+    llm.engine.step = counted_step
+    calls: list[int] = []
+    generate = llm.generate
+
+    def counted_generate(prompts, params, use_tqdm):
+        outs = generate(prompts, params, use_tqdm=use_tqdm)
+        calls.append(sum(len(o.outputs[0].token_ids) for o in outs))
+        return outs
+
+    llm.generate = counted_generate
+    rate = gpu_bench.decode_tok_s(llm, [5, 6, 7], 2, 6, reps=1, waves=3)
+    assert rate > 0 and calls[-1] == 3 * 2 * 6
+    assert max(running) == 2 and llm.engine.scheduler.max_num_seqs == 8
