@@ -32,11 +32,8 @@ x chunk is formed as round(round(s * rstd) * norm_weight), the norm kernel's out
 along N (split 0) writes s to the residual-out buffer.
 
 SPLIT_K > 1 cuts K into SPLIT_K ranges whose fp32 partial sums go to a [SPLIT_K, M, N]
-workspace, summed in a fixed order (with the bias): deterministic, unlike atomic adds. The
-program of a tile's split that finishes last sums them (an atomic arrival count per tile, reset
-by that program, in a zeroed counter buffer kept per device), so a split GEMM is one launch; a
-grid of more tiles than the buffer holds sums them in a second kernel. It pays only when
-N / BLOCK_N leaves SMs idle.
+workspace, summed in a fixed order (with the bias) by a second kernel: deterministic, unlike
+atomics. It pays only when N / BLOCK_N leaves SMs idle.
 
 Launch parameters come from `DEFAULT_CONFIGS` (by M bucket and the exact (N, K), else the
 nearest tabulated shape): `benchmarks/gemv_bench.py` measures the candidates on a GPU and
@@ -49,7 +46,6 @@ This file is the host side (the config table, its lookup and the launcher); the 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -135,19 +131,6 @@ FILL_PROGRAMS = 128
 SPLIT_MIN_ELEMENTS = 1 << 20
 SPLIT_MIN_DEPTH = 512
 MAX_SPLIT_K = 16
-
-
-# Tiles a split GEMM may have and still sum its partials in its own launch: the arrival
-# counters' size (a 16-row split grid has cdiv(N, BLOCK_N) tiles, ~100 where splitting pays).
-SPLIT_COUNTER_TILES = 4096
-
-
-@functools.cache
-def _split_counters(device: torch.device) -> torch.Tensor:  # [SPLIT_COUNTER_TILES] int32
-    # Zeros, and zeros again after every launch: one buffer serves every split GEMM on the
-    # device (launches on one stream run one after the other; under PDL a successor's
-    # programs reach their arrivals only after gdc_wait, once the predecessor has finished).
-    return torch.zeros(SPLIT_COUNTER_TILES, dtype=torch.int32, device=device)
 
 
 def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
@@ -284,13 +267,8 @@ def skinny_linear(
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m), split_k)
     target = out_rows
-    fused_reduce = False
-    counters = out_rows  # unused without FUSED_REDUCE
     if split_k > 1:
         target = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-        fused_reduce = grid[0] * grid[1] <= SPLIT_COUNTER_TILES
-        if fused_reduce:
-            counters = _split_counters(x.device)
     pdl = pdl_enabled(x.device)
     _skinny_matmul_kernel[grid](
         rows,
@@ -300,8 +278,6 @@ def skinny_linear(
         res_rows,
         norm_weight,
         res_out_rows,
-        out_rows,
-        counters,
         m,
         n,
         k,
@@ -311,14 +287,12 @@ def skinny_linear(
         target.stride(0) if split_k > 1 else 0,
         res_rows.stride(0),
         res_out_rows.stride(0),
-        out_rows.stride(0),
         k_per_split,
         eps,
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SPLIT_K=split_k,
-        FUSED_REDUCE=fused_reduce,
         USE_DOT=cfg.use_dot,
         EVEN_K=k % (cfg.block_k * split_k) == 0,
         HAS_BIAS=bias is not None,
@@ -332,7 +306,7 @@ def skinny_linear(
         num_stages=cfg.num_stages,
         **launch_options(pdl),
     )
-    if split_k > 1 and not fused_reduce:
+    if split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             target,

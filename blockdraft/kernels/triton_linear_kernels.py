@@ -1,8 +1,7 @@
 """The skinny GEMM kernels (the launcher and its config table are `triton_linear`, whose module
 doc describes the design): `_skinny_matmul_kernel` with its row loaders and the fused RMSNorm /
-SiLU-and-mul prologues and its split-K ending (the last split's program sums the partials),
-and `_split_k_reduce_kernel`, which sums SPLIT_K partials in the same fixed order in a second
-launch.
+SiLU-and-mul prologues, and `_split_k_reduce_kernel`, which sums SPLIT_K partials in a fixed
+order.
 
 Kept apart from the launcher so that the device code and the host-side launch table (tuned per
 GPU by `benchmarks/gemv_bench.py`) each read on their own.
@@ -134,67 +133,6 @@ def _store_rows(
         tl.store(out_ptrs + split_offset, acc, mask=ok)
 
 
-@triton.jit
-def _reduce_tile(
-    ws_ptr,  # [SPLIT_K, M, N] fp32 partial sums, every split's stored
-    bias_ptr,
-    y_ptr,  # [M, N] the output
-    offs_n,  # [BLOCK_N]
-    m0,
-    M,
-    N,
-    stride_ws,  # M * N
-    stride_ym,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    # The sum `_split_k_reduce_kernel` forms, in its order: the same bits either way.
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    ok = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    flat = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        # ".cg": the other programs' partials come from L2, never a stale L1 line.
-        acc += tl.load(ws_ptr + s * stride_ws + flat, mask=ok, other=0.0, cache_modifier=".cg")
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _last_split_reduces(
-    counters_ptr,  # [>= tiles] int32 zeros; left as zeros
-    ws_ptr,
-    bias_ptr,
-    y_ptr,
-    offs_n,
-    m0,
-    M,
-    N,
-    stride_ws,
-    stride_ym,
-    SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    # Each split's program counts itself in once its partials are stored; the last to arrive
-    # sums the tile's partials: no second launch.
-    tl.debug_barrier()  # every thread's partials stored before the arrival's release
-    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    counter = counters_ptr + tile
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-        tl.store(counter, 0)  # ready for the next launch
-        tl.debug_barrier()  # the arrival's acquire before every thread's loads
-        _reduce_tile(
-            ws_ptr, bias_ptr, y_ptr, offs_n, m0, M, N, stride_ws, stride_ym, SPLIT_K, BLOCK_M,
-            BLOCK_N, HAS_BIAS,
-        )  # fmt: skip
-
-
 # M is not specialised (Triton would compile M == 1 and M % 16 == 0 apart): one compile per
 # config serves every row count, and the clamps and store masks on M cost nothing here.
 @triton.jit(do_not_specialize=["M"])
@@ -206,8 +144,6 @@ def _skinny_matmul_kernel(
     res_ptr,  # [M, K] residual, unit column stride; read with RMS_NORM and HAS_RESIDUAL
     nw_ptr,  # [K] norm weight, x's dtype; read with RMS_NORM
     res_out_ptr,  # [M, K] x + residual; written with RMS_NORM and HAS_RESIDUAL
-    y_ptr,  # [M, N] the output, with FUSED_REDUCE (out_ptr is then the workspace)
-    counters_ptr,  # [>= tiles] int32 zeros, with FUSED_REDUCE; left as zeros
     M,
     N,
     K,
@@ -217,14 +153,12 @@ def _skinny_matmul_kernel(
     stride_os,  # workspace stride between splits
     stride_rm,
     stride_rom,
-    stride_ym,
     k_per_split,  # a multiple of BLOCK_K
     eps,  # the norm's epsilon; with RMS_NORM
     BLOCK_M: tl.constexpr,  # 16 with USE_DOT; 1, 2 or 4 without
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,  # SPLIT_K > 1: the last split's program sums the partials
     USE_DOT: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no masks along K
     HAS_BIAS: tl.constexpr,
@@ -289,11 +223,6 @@ def _skinny_matmul_kernel(
             acc, out_ptr, bias_ptr, offs_n, rows_n, offs_m, N, M, stride_om, split_offset,
             SPLIT_K, HAS_BIAS,
         )  # fmt: skip
-        if FUSED_REDUCE:
-            _last_split_reduces(
-                counters_ptr, out_ptr, bias_ptr, y_ptr, offs_n, m0, M, N, stride_os, stride_ym,
-                SPLIT_K, BLOCK_M, BLOCK_N, HAS_BIAS,
-            )  # fmt: skip
     else:
         # One [BLOCK_N, BLOCK_K] fp32 accumulator per row of x, all fed by the same W chunk in
         # its coalesced load layout, reduced over K once after the loop.
@@ -375,11 +304,6 @@ def _skinny_matmul_kernel(
             _store_rows(
                 tl.sum(acc3, axis=1)[:, None], out_ptr, bias_ptr, offs_n, rows_n, m0 + 3 + one,
                 N, M, stride_om, split_offset, SPLIT_K, HAS_BIAS,
-            )  # fmt: skip
-        if FUSED_REDUCE:
-            _last_split_reduces(
-                counters_ptr, out_ptr, bias_ptr, y_ptr, offs_n, m0, M, N, stride_os, stride_ym,
-                SPLIT_K, BLOCK_M, BLOCK_N, HAS_BIAS,
             )  # fmt: skip
 
 

@@ -101,8 +101,7 @@ def count(kernel, const, out_f32=False, **options):
             "launch": ptx.count("griddepcontrol.launch_dependents"), "cubin": len(c.asm["cubin"]),
             "atomics": ptx.count("atom."), "local": ptx.count("st.local")}
 
-skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, FUSED_REDUCE=False, EVEN_K=True,
-              HAS_BIAS=False, SILU_MUL=False,
+skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
               RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
 # A split decode-shaped attention launch; the variants below change what they name.
 attention = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
@@ -112,13 +111,6 @@ variants = {
     "skinny dot": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True), {}),
     "skinny dot split-k": (_skinny_matmul_kernel,
                            dict(skinny, BLOCK_M=16, USE_DOT=True, SPLIT_K=4), {"out_f32": True}),
-    "skinny dot split-k, one launch": (
-        _skinny_matmul_kernel, dict(skinny, BLOCK_M=16, USE_DOT=True, SPLIT_K=4, FUSED_REDUCE=True),
-        {"out_f32": True}),
-    "skinny 2 rows split-k, one launch": (
-        _skinny_matmul_kernel,
-        dict(skinny, BLOCK_M=2, USE_DOT=False, SPLIT_K=8, FUSED_REDUCE=True, HAS_BIAS=True),
-        {"out_f32": True}),
     "skinny 1 row + norm": (_skinny_matmul_kernel,
                             dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=True,
                                  HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),

@@ -108,26 +108,6 @@ def test_split_k_deterministic(rng) -> None:
     assert torch.equal(first, skinny_linear(x, w, b, cfg))
 
 
-def test_split_k_sums_in_one_launch_as_in_two(rng, monkeypatch) -> None:
-    """The last split's program sums the tile's partials (the arrival counters back at zero) in
-    the reduce kernel's order: the same bits as the two-launch path, which grids of more tiles
-    than SPLIT_COUNTER_TILES take."""
-    from blockdraft.kernels import triton_linear
-
-    for cfg, m in [
-        (SkinnyConfig(block_n=16, block_k=32, split_k=3, use_dot=True), 19),
-        (SkinnyConfig(block_n=8, block_k=64, split_k=4, use_dot=False), 3),
-    ]:
-        x, w, b = inputs(rng, m, 40, 200, torch.float32, bias=True, strided=False)
-        one = skinny_linear(x, w, b, cfg)
-        assert not triton_linear._split_counters(x.device).any()
-        with monkeypatch.context() as patch:
-            patch.setattr(triton_linear, "SPLIT_COUNTER_TILES", 0)
-            two = skinny_linear(x, w, b, cfg)
-        assert torch.equal(one, two)
-        check(one, x, w, b)
-
-
 @pytest.mark.parametrize(
     "bucket,cfg",
     sorted({(key[0], cfg) for key, cfg in DEFAULT_CONFIGS.items()}),
