@@ -596,7 +596,9 @@ def main() -> None:
         for b in tqdm(args.batches, "AR steps")
     }
 
-    def by_concurrency(llm: LLM, label: str) -> dict[int, float]:
+    def by_concurrency(
+        llm: LLM, label: str, concurrency: list[int] = args.concurrency
+    ) -> dict[int, float]:
         return {
             c: decode_tok_s(
                 llm,
@@ -608,7 +610,7 @@ def main() -> None:
                 phase=f"c. {label} {c}",
                 waves=args.conc_waves,
             )
-            for c in tqdm(args.concurrency, label)
+            for c in tqdm(concurrency, label)
         }
 
     ar_conc = by_concurrency(ar, "AR conc")
@@ -647,19 +649,7 @@ def main() -> None:
     if args.small_block:
         top = sorted(args.concurrency)[-2:]
         small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
-        small_conc = {
-            c: decode_tok_s(
-                small,
-                prompt,
-                c,
-                conc_tokens,
-                conc_reps(c, args.conc_reps),
-                log=compiles,
-                phase=f"c'. block {c}",
-                waves=args.conc_waves,
-            )
-            for c in top
-        }
+        small_conc = by_concurrency(small, f"block {args.small_block} conc", top)
         small_tau = small.engine.spec_stats.mean_acceptance_length
         del small
         torch.cuda.empty_cache()
