@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -121,6 +122,17 @@ def conc_reps(concurrency: int, fixed: int | None = None) -> int:
     return fixed if fixed is not None else max(3, 24 // concurrency)
 
 
+@contextlib.contextmanager
+def running_at_most(llm: LLM, batch: int) -> Iterator[None]:
+    """The engine's scheduler runs at most `batch` requests at once inside the block."""
+    scheduler = llm.engine.scheduler
+    cap, scheduler.max_num_seqs = scheduler.max_num_seqs, min(scheduler.max_num_seqs, batch)
+    try:
+        yield
+    finally:
+        scheduler.max_num_seqs = cap
+
+
 def decode_tok_s(
     llm: LLM,
     prompt: list[int],
@@ -136,24 +148,6 @@ def decode_tok_s(
     with at most `batch` running at once, a new one starting as one finishes (a serving
     benchmark's fixed concurrency: one ramp-down per pass, not one per `batch` requests)."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    scheduler = llm.engine.scheduler
-    cap, scheduler.max_num_seqs = scheduler.max_num_seqs, min(scheduler.max_num_seqs, batch)
-    try:
-        return _decode_tok_s(llm, prompt, batch, params, reps, log, phase, waves)
-    finally:
-        scheduler.max_num_seqs = cap
-
-
-def _decode_tok_s(
-    llm: LLM,
-    prompt: list[int],
-    batch: int,
-    params: SamplingParams,
-    reps: int,
-    log: TritonCompileLog | None,
-    phase: str,
-    waves: int,
-) -> float:
     # Twice: the second call takes the cached-prefix prefill path, which the timed call takes
     # too; Triton compiles each kernel variant on first use, and that must not be timed.
     for _ in range(2):
@@ -163,7 +157,8 @@ def _decode_tok_s(
             use_tqdm=False,
         )
     rates = []
-    with log.timed(phase) if log is not None else contextlib.nullcontext():
+    timed = log.timed(phase) if log is not None else contextlib.nullcontext()
+    with running_at_most(llm, batch), timed:
         for _ in range(reps):  # one short pass (64 tokens) spread by up to ~20% run to run
             t0 = now()
             outs = llm.generate([prompt] * (batch * waves), params, use_tqdm=False)

@@ -12,9 +12,9 @@ maximum precedes every other value of the group in that order, so the row's top 
 best groups. The rounds over the groups go by chunks of CHUNK groups: a round reduces the
 chunks' maxima and reads one chunk, not all ~4,700 group maxima of a 150k vocabulary (H100,
 k = 16 of 151,936 bf16 columns, both launches: 49 / 60 / 183 -> 40 / 55 / 155 us at 15 / 120 /
-480 rows; torch.topk 75 / 253 / 651, argmax 16 / 42 / 102). Two
-passes over few bytes beat per-chunk top Ks merged afterwards: the chunks' K rounds over their
-groups serialise where the first pass only reads.
+480 rows; torch.topk 75 / 253 / 651, argmax 16 / 42 / 102). Two passes over few bytes beat
+per-program top Ks of column ranges merged afterwards: those programs' K rounds serialise where
+the first pass only reads.
 """
 
 from __future__ import annotations
