@@ -41,6 +41,9 @@ class BlockManager:
         # `free` calls so far: a block freed since a count was taken may belong to another
         # request by now (the drafter's deferred context writes watch it).
         self.num_frees = 0
+        # Blocks taken fresh since the engine last looked (None: not tracked): a drafter's
+        # deferred context rows in such a block must land before its new owner's.
+        self.reallocated: set[int] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -102,6 +105,8 @@ class BlockManager:
                 del self.cached[key]  # evict: its contents are about to be overwritten
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
+            if self.reallocated is not None:
+                self.reallocated.add(block_id)
         if self.window_pages is not None:
             self.window_pages.update(seq)
         return True

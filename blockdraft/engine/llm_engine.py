@@ -84,6 +84,8 @@ class LLMEngine:
             self.draft_launcher.max_deferred_rows = rows
             if rows < DEFERRED_CONTEXT_MIN_ROWS:
                 self.draft_launcher.defer_context = False
+        elif self.draft_launcher is not None:
+            self.block_manager.reallocated = set()
         self.capture_time_s = self.warmup_time_s = 0.0
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_graphs(default_batch_sizes(config.max_num_seqs))
@@ -181,7 +183,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        num_drafts, blocks_freed = 0, False
+        num_drafts, write_first = 0, False
         if self.draft_launcher is not None:
             # N for the batch the next step verifies: every request running now (those the
             # readback will finish included: any N is lossless, verify takes a prefix).
@@ -190,13 +192,12 @@ class LLMEngine:
             if num_drafts is None:
                 num_drafts = self.draft_length.choose((s.acceptance for s in running), len(running))
             self.next_num_drafts = None
-            blocks_freed = self.blocks_freed_unseen
-            self.frees_seen = self.block_manager.num_frees
+            write_first = self.deferred_rows_may_be_overwritten()
         window_updates = self._take_window_updates()
         if self.workers is not None:
-            self.workers.send_step(chunks, num_drafts, self.requests, window_updates, blocks_freed)
+            self.workers.send_step(chunks, num_drafts, self.requests, window_updates, write_first)
         self.apply_window_updates(window_updates)
-        launched, drafts = self.launch_step(chunks, num_drafts, blocks_freed)
+        launched, drafts = self.launch_step(chunks, num_drafts, write_first)
         if self.draft_launcher is None:
             return self._process_step(chunks, self.runner.finish(launched), None)
         self.spec_stats.record_step(num_drafts)
@@ -219,7 +220,7 @@ class LLMEngine:
             self.block_manager.window_pages.apply(*updates)
 
     def launch_step(
-        self, chunks: list[ScheduledChunk], num_drafts: int, blocks_freed: bool = False
+        self, chunks: list[ScheduledChunk], num_drafts: int, write_deferred_first: bool = False
     ) -> tuple[LaunchedStep, LaunchedDrafts | None]:
         """Queues a step's device work and reads nothing back: the target forward with its
         sampling or verification, then, speculating, the drafter's work (before the
@@ -229,7 +230,7 @@ class LLMEngine:
         if self.draft_launcher is None:
             return launched, None
         target = launched.target_step()
-        return launched, self.draft_launcher.launch(target, num_drafts, blocks_freed)
+        return launched, self.draft_launcher.launch(target, num_drafts, write_deferred_first)
 
     def _process_step(
         self, chunks: list[ScheduledChunk], result: StepOutput, drafts: LaunchedDrafts | None
@@ -291,13 +292,26 @@ class LLMEngine:
         """Blocks were freed since the last synchronous step wrote the deferred context."""
         return self.block_manager.num_frees != self.frees_seen
 
+    def deferred_rows_may_be_overwritten(self) -> bool:
+        """Whether the drafter's deferred context must be written before this step's rows: a
+        block some deferred row lies in was taken by another request since the last look. A
+        drafter with window pages: whether blocks were freed at all (a freed block's pages may
+        pass to any block)."""
+        bm = self.block_manager
+        if bm.reallocated is None:
+            freed = self.blocks_freed_unseen
+            self.frees_seen = bm.num_frees
+            return freed
+        taken, bm.reallocated = bm.reallocated, set()
+        return not taken.isdisjoint(self.draft_launcher.deferred.blocks)
+
     def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
-        """`DecodeAheadHooks`: the next step may be launched ahead when it drafts nothing, its
-        rows' context can wait, and no block was freed since the deferred rows were taken (the
-        synchronous step writes them first)."""
+        """`DecodeAheadHooks`: the next step may be launched ahead when it drafts nothing and
+        its rows' context can wait; with window pages, also only when no block was freed since
+        the deferred rows were taken (the synchronous step writes them first)."""
         if not self.draft_launcher.defer_context:
             return False
-        if self.blocks_freed_unseen:
+        if self.block_manager.reallocated is None and self.blocks_freed_unseen:
             return False
         self.next_num_drafts = self.draft_length.choose((s.acceptance for s in seqs), len(seqs))
         return self.next_num_drafts == 0
@@ -306,6 +320,8 @@ class LLMEngine:
         """`DecodeAheadHooks`: keeps the step's rows for the drafter's deferred context."""
         self.next_num_drafts = None
         self.apply_window_updates(self._take_window_updates())
+        if self.deferred_rows_may_be_overwritten():  # a block reserved for the step
+            self.draft_launcher.write_deferred()
         chunks = step.chunks
         positions = [c.start for c in chunks]
         tables = [c.seq.block_table for c in chunks]

@@ -82,7 +82,7 @@ class StepPlan:
     chunks: list[ChunkPlan]
     num_drafts: int  # N the step proposes (speculative engines)
     window_updates: tuple[list[int], list[int]] | None  # drafter window pages (blocks, pages)
-    blocks_freed: bool  # the drafter writes its deferred context first (draft_launch.py)
+    write_deferred_first: bool  # the drafter writes its deferred context first (draft_launch.py)
 
 
 @dataclass(eq=False)  # hashed by identity, as the Sequences it stands for (sampling cache keys)
@@ -190,7 +190,7 @@ class TensorParallelWorkers:
         num_drafts: int,  # N proposed this step
         requests: dict[str, Sequence],  # the engine's live requests
         window_updates: tuple[list[int], list[int]] | None = None,
-        blocks_freed: bool = False,
+        write_deferred_first: bool = False,
     ) -> None:
         """Sends the step's plan to every worker (one broadcast)."""
         self.raise_if_dead()
@@ -221,7 +221,7 @@ class TensorParallelWorkers:
             ],
             num_drafts,
             window_updates,
-            blocks_freed,
+            write_deferred_first,
         )
         dist.broadcast_object_list([plan], src=0, group=self._state.control)
 
@@ -384,7 +384,7 @@ class WorkerLoop:
             chunks.append(ScheduledChunk(mirror, c.start, c.token_ids, c.num_drafts))
         with torch.inference_mode(), use_kernel_policy(self.engine.kernel_policy):
             self.engine.apply_window_updates(plan.window_updates)
-            drafts = self.engine.launch_step(chunks, plan.num_drafts, plan.blocks_freed)[1]
+            drafts = self.engine.launch_step(chunks, plan.num_drafts, plan.write_deferred_first)[1]
         mirror_drafts(chunks, drafts)
 
 

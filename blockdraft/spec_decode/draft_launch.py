@@ -18,9 +18,11 @@ decoding costs: the drafter's projections of one row each step are weight-bound,
 batched write of many rows reads the same weights once. Under async decode such steps are
 launched one ahead like an engine without a drafter's (blockdraft/engine/async_decode.py),
 and keep their rows here with `defer_decode_step`. Deferred rows are written before any later
-context write and before any drafter forward (the only reader), and at the first step after
-blocks were freed, so the cache ends as if written at once: one write never holds two rows
-for one slot (a finished request's freed block passing to another request).
+context write and before any drafter forward (the only reader), and before rows of a block
+they lie in are deferred for its next owner (a finished request's freed block taken by another
+request), so the cache ends as if written at once: one write never holds two rows for one
+slot. A finished request's rows may thus wait: a later request may still read them through
+the prefix cache, and a write of many requests' rows costs what a write of one's does.
 """
 
 from __future__ import annotations
@@ -78,24 +80,28 @@ class DeferredContext:
     decode_positions: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
     num_rows: int = 0
+    blocks: set[int] = field(default_factory=set)  # KV blocks the rows may lie in
 
-    def add(self, features: torch.Tensor, inputs: DFlashInputs) -> None:
+    def add(self, features: torch.Tensor, inputs: DFlashInputs, blocks: set[int]) -> None:
         # Copies: the features and index buffers are reused by the next step.
         self.features.append(features.clone())
         self.positions.append(inputs.context_positions.clone())
         self.slots.append(inputs.context_slot_mapping.clone())
         self.num_rows += features.shape[0]
+        self.blocks |= blocks
 
     def add_decode_rows(
         self,
         features: torch.Tensor,  # [rows, K * hidden], one row a request
         positions: list[int],  # [rows]
         slots: list[int],  # [rows]
+        block_size: int,
     ) -> None:
         self.decode_features.append(features.clone())
         self.decode_positions += positions
         self.decode_slots += slots
         self.num_rows += features.shape[0]
+        self.blocks.update(slot // block_size for slot in slots)
 
     def tensors(
         self, device: torch.device
@@ -162,20 +168,29 @@ class DraftLauncher:
         async decode, which builds no drafter inputs)."""
         if not self._fits(features, len(positions)):
             self.write_deferred()
-        self.deferred.add_decode_rows(features, positions, slots)
+        self.deferred.add_decode_rows(features, positions, slots, self.proposer.block_size)
+
+    def _blocks_written(self, step: TargetStep) -> set[int]:
+        """The KV blocks `step`'s rows lie in (a verify's rejected rows' too)."""
+        size = self.proposer.block_size
+        return {
+            b
+            for start, n, table in zip(step.starts, step.query_lens, step.block_tables, strict=True)
+            for b in table[start // size : (start + n - 1) // size + 1]
+        }
 
     def launch(
-        self, step: TargetStep, num_drafts: int, blocks_freed: bool = False
+        self, step: TargetStep, num_drafts: int, write_deferred_first: bool = False
     ) -> LaunchedDrafts | None:
         """Queues context K/V for every committed row of `step`, then N drafts for each request
         whose chunk completes; None when none does (or N = 0: the context only). Reads nothing
-        back. `blocks_freed`: blocks were freed since the last step (a deferred row's slot may
-        have passed to another request, whose rows must land after it)."""
+        back. `write_deferred_first`: a block some deferred row lies in passed to another
+        request, whose rows must land after it (`LLMEngine.deferred_rows_may_be_overwritten`)."""
         verify = set(step.verify)
         num_chunks = len(step.starts)
         rows = step.row_ends[-1]
         defer = self.defer_context and not num_drafts
-        if not defer or blocks_freed or not self._fits(step.features, rows):
+        if not defer or write_deferred_first or not self._fits(step.features, rows):
             self.write_deferred()
         proposers = [i for i, done in enumerate(step.completes) if done] if num_drafts else []
         tables = padded_block_tables(step.block_tables)
@@ -223,7 +238,7 @@ class DraftLauncher:
             n == q for n in step.query_lens
         )
         if defer:
-            self.deferred.add(step.features[:rows], inputs)
+            self.deferred.add(step.features[:rows], inputs, self._blocks_written(step))
         elif not uniform:
             self.proposer.write_context(step.features, inputs)
         if not proposers:

@@ -72,8 +72,8 @@ class DrafterCacheAudit:
             self.record.chunks = [(c, list(c.seq.block_table), c.completes) for c in chunks]
             return chunks
 
-        def spy_launch(step, num_drafts, blocks_freed=False):
-            drafts = launch(step, num_drafts, blocks_freed)
+        def spy_launch(step, num_drafts, write_deferred_first=False):
+            drafts = launch(step, num_drafts, write_deferred_first)
             self.record.features = step.features
             self.record.num_drafts = num_drafts
             self.record.proposers = [] if drafts is None else drafts.proposers

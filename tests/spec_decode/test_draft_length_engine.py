@@ -207,6 +207,46 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("pool", ["roomy", "reused"])
+def test_finished_requests_deferred_context_waits_until_its_blocks_pass_on(
+    pairs, rng, pool: str
+) -> None:
+    """Two requests one after the other, every step at N = 0: the first one's deferred drafter
+    context is not written when it finishes (a later write of many rows costs what one does),
+    only once the second request takes a block it lies in (a pool of 16 blocks), and the
+    cache ends as writing every step leaves it."""
+    target, drafter = pairs["random"]
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = [torch.randint(4, vocab, (n,), generator=rng).tolist() for n in (20, 29)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # 20 blocks: the first request holds at least 12 (with the drafts' lookahead), the
+    # second needs more than the 8 it leaves untouched.
+    kw = dict(block_size=4, max_model_len=60, num_kv_blocks=64 if pool == "roomy" else 20)
+    ar = LLM(str(target), **kw).generate(prompts, params, use_tqdm=False)
+    runs = []
+    for defer in (True, False):
+        llm = auto_llm(drafter, target, **kw)
+        engine = llm.engine
+        engine.draft_launcher.defer_context = defer
+        engine.draft_length.choose = lambda estimates, batch: 0
+        writes, write = [], engine.proposer.drafter.write_context
+        engine.proposer.drafter.write_context = lambda f, *a: (writes.append(len(f)), write(f, *a))
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids for a in ar]
+        if defer:
+            # A request's rows: its prompt's, then one a decode step (the last token is not fed).
+            rows = [len(p) + params.max_tokens - 1 for p in prompts]
+            if pool == "roomy":
+                assert writes == [] and engine.draft_launcher.deferred.num_rows == sum(rows)
+            else:  # once: when the second request (growing) takes a block of the first's
+                assert len(writes) == 1 and rows[0] < writes[0] < sum(rows), writes
+        engine.draft_launcher.write_deferred()
+        layers = engine.proposer.drafter.attention_layers
+        runs.append([c.clone() for a in layers for c in (a.key_cache, a.value_cache)])
+    for got, expected in zip(*runs, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("setup", ["plain", "chunked-prefill", "preemption"])
 def test_steps_at_n0_launched_ahead_keep_greedy_output(pairs, rng, setup: str) -> None:
     """Async decode in a speculative engine: its runs of N = 0 steps are launched one ahead, as
