@@ -30,3 +30,16 @@ def spy_draft_logits(llm) -> list[torch.Tensor]:
 
     drafter.compute_logits = spy
     return seen
+
+
+def spy_context_writes(llm) -> list[int]:
+    """Records the rows of every context K/V write of `llm`'s drafter."""
+    drafter, seen = llm.engine.proposer.drafter, []
+    write_context = drafter.write_context
+
+    def spy(features: torch.Tensor, *args: torch.Tensor) -> None:
+        seen.append(features.shape[0])
+        write_context(features, *args)
+
+    drafter.write_context = spy
+    return seen

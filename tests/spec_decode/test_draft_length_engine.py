@@ -15,6 +15,7 @@ from blockdraft import LLM, SamplingParams
 from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS
 
 from sampling_checks import assert_same_token_law, seeded_samples
+from spies import spy_context_writes
 
 NUM_SPEC = 7
 
@@ -229,8 +230,7 @@ def test_finished_requests_deferred_context_waits_until_its_blocks_pass_on(
         engine = llm.engine
         engine.draft_launcher.defer_context = defer
         engine.draft_length.choose = lambda estimates, batch: 0
-        writes, write = [], engine.proposer.drafter.write_context
-        engine.proposer.drafter.write_context = lambda f, *a: (writes.append(len(f)), write(f, *a))
+        writes = spy_context_writes(llm)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids for a in ar]
         if defer:
