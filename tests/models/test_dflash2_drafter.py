@@ -40,10 +40,22 @@ def _target(target_dir: Path) -> DecoderLM:
     return model.eval()
 
 
-def test_dynamic_conv_matches_zlab_per_block(rng) -> None:
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(backend="torch"),
+        dict(backend="triton"),
+        dict(backend="triton", conv_projection_max_rows=0),
+    ],
+    ids=["torch", "triton-fused-projection", "triton"],
+)
+def test_dynamic_conv_matches_zlab_per_block(rng, set_policy, policy: dict) -> None:
     """Flat rows of several blocks: each block convolved on its own, as z-lab's module
-    convolves a batch of one block."""
+    convolves a batch of one block; the kernels too (the projection inside the opening
+    convolution's kernel, or a GEMM before it)."""
     from dflash.model import GroupedDynamicCausalConv as ZlabConv
+
+    set_policy(**policy)
 
     hidden, kernel, group, block_len, blocks = 24, 3, 8, 5, 3
     ours = GroupedDynamicCausalConv(hidden, kernel, group)
@@ -56,8 +68,9 @@ def test_dynamic_conv_matches_zlab_per_block(rng) -> None:
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(blocks * block_len, hidden, generator=rng)
     y = torch.randn(blocks * block_len, hidden, generator=rng)
-    out, dynamic = ours.prepare(x, block_len)
-    out2 = ours.finish(y, dynamic, block_len)
+    with torch.no_grad():  # as the engine runs it (the kernels have no backward)
+        out, dynamic = ours.prepare(x, block_len)
+        out2 = ours.finish(y, dynamic, block_len)
     for b in range(blocks):
         rows = slice(b * block_len, (b + 1) * block_len)
         want, want_dynamic = ref.prepare(x[None, rows])
