@@ -175,8 +175,12 @@ def triton_conv_prepare(
     weight: torch.Tensor,  # [2 * kernel_size * groups, hidden] the kernel projection
     base: torch.Tensor,  # [kernel_size, hidden] the first half's static kernel
     block_len: int,
+    groups_per_program: int | None = None,  # None: the fewest that fill a 16-wide mma
+    block_k: int = 256,
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # x convolved [rows, hidden], second half [rows, k, g]
-    """`dynamic_conv.conv_prepare_torch` in one launch."""
+    """`dynamic_conv.conv_prepare_torch` in one launch (the launch parameters: benchmarks)."""
     rows, hidden = x.shape
     kernel_size = base.shape[0]
     groups = weight.shape[0] // (2 * kernel_size)
@@ -195,7 +199,7 @@ def triton_conv_prepare(
         return out, second
     group_size = hidden // groups
     # At least 16 projection outputs a program (the mma's least width).
-    per_program = max(1, triton.cdiv(8, kernel_size))
+    per_program = groups_per_program or max(1, triton.cdiv(8, kernel_size))
     block_m = 16 if rows <= 16 else 32
     _conv_prepare_kernel[(triton.cdiv(rows, block_m), triton.cdiv(groups, per_program))](
         x,
@@ -214,10 +218,10 @@ def triton_conv_prepare(
         BLOCK_J=max(16, triton.next_power_of_2(2 * kernel_size * per_program)),
         BLOCK_C=triton.next_power_of_2(per_program * group_size),
         BLOCK_M=block_m,
-        BLOCK_K=min(256, max(16, triton.next_power_of_2(hidden))),
+        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(hidden))),
         IEEE=x.dtype == torch.float32,
-        num_warps=4,
-        num_stages=3,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out, second
 
