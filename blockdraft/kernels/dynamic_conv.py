@@ -34,19 +34,6 @@ def grouped_dynamic_causal_conv_torch(
     return (windows * weight).sum(-1).view(rows, hidden)
 
 
-def conv_prepare_torch(
-    x: torch.Tensor,  # [num_blocks * block_len, hidden]
-    weight: torch.Tensor,  # [2 * kernel_size * groups, hidden] the kernel projection
-    base: torch.Tensor,  # [kernel_size, hidden] the first half's static kernel
-    block_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # x convolved [rows, hidden], second half [rows, k, g]
-    """A layer's opening convolution: x projected onto both halves' dynamic kernels, x
-    convolved with the first, the second kept for the closing convolution."""
-    kernel_size = base.shape[0]
-    dynamic = F.linear(x, weight).view(x.shape[0], 2, kernel_size, -1)
-    return grouped_dynamic_causal_conv_torch(x, dynamic[:, 0], base, block_len), dynamic[:, 1]
-
-
 def conv_rms_norm_torch(
     x: torch.Tensor,  # [num_blocks * block_len, hidden]
     dynamic: torch.Tensor,  # [num_blocks * block_len, kernel_size, groups]

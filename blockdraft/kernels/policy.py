@@ -58,10 +58,6 @@ class KernelPolicy:
     # (`triton_chunk_gated_delta_rule`) rather than its torch twin, a loop over the chunks'
     # sequences.
     triton_chunked_prefill: bool = True
-    # DFlash2 drafter layers of at most this many rows project their dynamic conv kernels in
-    # the opening convolution's kernel (`triton_conv_prepare`) instead of a skinny GEMM of N =
-    # 2 * kernel * groups before it (0: never).
-    conv_projection_max_rows: int = 16
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps

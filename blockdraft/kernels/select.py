@@ -29,11 +29,7 @@ import torch
 
 from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
-from blockdraft.kernels.dynamic_conv import (
-    conv_prepare_torch,
-    conv_rms_norm_torch,
-    grouped_dynamic_causal_conv_torch,
-)
+from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch, grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_varlen_torch,
@@ -69,7 +65,6 @@ GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
 CandidateWalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ConvNormFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ConvPrepareFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 TopKFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 Fn = TypeVar("Fn")
@@ -306,17 +301,6 @@ def get_dynamic_conv_backend(device: torch.device | str | None = None) -> Dynami
 
         return triton_dynamic_conv.triton_grouped_dynamic_causal_conv
     return grouped_dynamic_causal_conv_torch
-
-
-def get_conv_prepare_backend(device: torch.device | str | None = None) -> ConvPrepareFn:
-    """`fn(x, weight, base, block_len) -> (convolved, second half)`, DFlash2's kernel projection
-    with the opening convolution (`blockdraft.kernels.dynamic_conv.conv_prepare_torch`); same
-    switch."""
-    if use_triton(device):
-        from blockdraft.kernels import triton_dynamic_conv
-
-        return triton_dynamic_conv.triton_conv_prepare
-    return conv_prepare_torch
 
 
 def get_candidate_walk_backend(device: torch.device | str | None = None) -> CandidateWalkFn:

@@ -19,14 +19,11 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
-from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.select import (
     PerDevice,
-    get_conv_prepare_backend,
     get_conv_rms_norm_backend,
     get_dynamic_conv_backend,
     needs_autograd,
-    use_triton,
 )
 from blockdraft.layers.linear import linear
 from blockdraft.layers.norm import RMSNorm
@@ -45,7 +42,6 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self._backend = PerDevice(get_dynamic_conv_backend)  # Triton on CUDA, else torch
         self._norm_backend = PerDevice(get_conv_rms_norm_backend)
-        self._prepare_backend = PerDevice(get_conv_prepare_backend)
 
     def _conv(
         self,
@@ -63,16 +59,10 @@ class GroupedDynamicCausalConv(nn.Module):
         x: torch.Tensor,  # [rows, hidden], blocks of block_len rows
         block_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x convolved [rows, hidden], finish's [rows, k, g]
-        weight, base = self.kernel_projection.weight, self.base_kernel[0]
-        if (
-            x.shape[0] <= current_kernel_policy().conv_projection_max_rows
-            and use_triton(x.device)
-            and not needs_autograd(x, weight, base)
-        ):  # one launch for both (triton_conv_prepare)
-            return self._prepare_backend(x.device)(x, weight, base, block_len)
-        dynamic = linear(x, weight, None)
+        dynamic = linear(x, self.kernel_projection.weight, None)
         dynamic = dynamic.view(-1, 2, self.kernel_size, self.groups)
-        return self._conv(x, dynamic[:, 0], base, block_len), dynamic[:, 1]
+        out = self._conv(x, dynamic[:, 0], self.base_kernel[0], block_len)
+        return out, dynamic[:, 1]
 
     def finish(
         self,

@@ -6,13 +6,8 @@ Runs on the CPU through Triton's interpreter (TRITON_INTERPRET=1); small shapes.
 import pytest
 import torch
 
-from blockdraft.kernels.dynamic_conv import (
-    conv_prepare_torch,
-    conv_rms_norm_torch,
-    grouped_dynamic_causal_conv_torch,
-)
+from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch, grouped_dynamic_causal_conv_torch
 from blockdraft.kernels.triton_dynamic_conv import (
-    triton_conv_prepare,
     triton_conv_rms_norm,
     triton_grouped_dynamic_causal_conv,
 )
@@ -39,45 +34,6 @@ def test_dynamic_conv(rng, kernel_size: int, block_len: int, blocks: int, hidden
         rows_b = slice(b * block_len, (b + 1) * block_len)
         alone = triton_grouped_dynamic_causal_conv(x[rows_b], dynamic[rows_b], base, block_len)
         torch.testing.assert_close(got[rows_b], alone, rtol=1e-5, atol=ATOL)
-
-
-@pytest.mark.parametrize(
-    ("kernel_size", "block_len", "blocks"), [(1, 3, 2), (2, 16, 1), (2, 4, 5), (3, 8, 5)]
-)
-@pytest.mark.parametrize(("hidden", "groups"), [(48, 3), (40, 40), (64, 16)])
-def test_conv_prepare(rng, kernel_size: int, block_len: int, blocks: int, hidden: int, groups: int):
-    """The kernel projection and the opening convolution in one launch: the projection as
-    the GEMM gives it, the convolution as the twin's (rows of several row tiles included)."""
-    rows = blocks * block_len
-    x = randn(rng, rows, hidden)
-    weight = randn(rng, 2 * kernel_size * groups, hidden) / hidden**0.5
-    base = randn(rng, kernel_size, hidden)
-    out, second = triton_conv_prepare(x, weight, base, block_len)
-    want_out, want_second = conv_prepare_torch(x, weight, base, block_len)
-    assert second.shape == (rows, kernel_size, groups)
-    torch.testing.assert_close(second, want_second, rtol=1e-5, atol=ATOL)
-    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=ATOL)
-
-
-def test_conv_prepare_in_half_precision_rounds_the_projection_first(rng) -> None:
-    """16-bit activations (float16: the interpreter's bf16 dot is not numpy's): the
-    convolution reads the projection rounded to x's dtype, as the unfused pair does."""
-    rows, hidden, groups, kernel_size = 16, 64, 16, 2
-    x = randn(rng, rows, hidden, dtype=torch.float16)
-    weight = (randn(rng, 2 * kernel_size * groups, hidden) / 8).to(torch.float16)
-    base = randn(rng, kernel_size, hidden, dtype=torch.float16)
-    out, second = triton_conv_prepare(x, weight, base, 16)
-    dynamic = (x.float() @ weight.float().t()).to(torch.float16).view(rows, 2, kernel_size, -1)
-    torch.testing.assert_close(second, dynamic[:, 1], rtol=2e-3, atol=2e-3)
-    want = triton_grouped_dynamic_causal_conv(x, dynamic[:, 0], base, 16)
-    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
-
-
-def test_conv_prepare_checks_its_shapes(rng) -> None:
-    with pytest.raises(ValueError, match="whole blocks"):
-        triton_conv_prepare(randn(rng, 5, 8), randn(rng, 8, 8), randn(rng, 2, 8), 2)
-    with pytest.raises(ValueError, match="projection"):
-        triton_conv_prepare(randn(rng, 4, 8), randn(rng, 6, 8), randn(rng, 2, 8), 2)
 
 
 def test_rows_must_be_whole_blocks(rng) -> None:
