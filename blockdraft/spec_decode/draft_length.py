@@ -31,6 +31,11 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   request becoming predictable needs a few probes to lift its estimate) or once drafting pays
   again; either way it is never shorter than what keeps the probes' expected loss (their cost
   in decode steps less the tokens they commit) within PROBE_BUDGET of plain decoding's time.
+  After a probe, N at most doubles a step (from the probe's) until the chosen N needs no cap:
+  one verify is the whole evidence of a request's estimate then (one accepted draft lifts a
+  prior alpha of 0.3 to 0.53), and the largest N costs the most when that evidence was luck (on
+  2 CPU threads 3 drafts cost 1.9 decode steps; open chat, alpha ~0.28, took three such steps
+  after a probe whose one draft landed).
   A probe is never a uniform step (it proposes without verifying, the next verifies without
   proposing, and with async decode the pipeline drains and refills around them), so its cost
   is measured as such: the wall time of the PROBE_SPAN steps from the one that chose it, less
@@ -213,6 +218,8 @@ class DraftLengthChooser:
     # (bucket, N) explored already, and the exploration under way: (batch, N, steps left).
     explored: set[tuple[int, int]] = field(default_factory=set)
     exploring: tuple[int, int, int] | None = None
+    # The last N of a ramp after a probe (0: no ramp): the next drafting N is at most twice it.
+    ramp: int = 0
     # expected[bin][N]: E(bin / ALPHA_BINS, N) for N up to the schedule's largest.
     expected: list[list[float]] = field(init=False)
     allowed_by_cap: dict[int, tuple[int, ...]] = field(init=False)
@@ -324,6 +331,10 @@ class DraftLengthChooser:
             best = 0
         if best:
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
+            if self.ramp and best > 2 * self.ramp:
+                best = self.ramp = max(n for n in allowed if n <= 2 * self.ramp)
+                return best
+            self.ramp = 0
             return self._explore(batch, best, rates)
         self.steps_since_drafting += 1
         mean_bin = sum(b * c for b, c in counts.items()) / max(sum(counts.values()), 1)
@@ -337,6 +348,7 @@ class DraftLengthChooser:
         self.probe_interval = max(min(interval, MAX_PROBE_INTERVAL), min(floor, MAX_PROBE_FLOOR))
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
         self.probe_timing = (batch, PROBE_SPAN, 0.0)
+        self.ramp = probe
         return probe
 
     def _explore(self, batch: int, best: int, rates: dict[int, float]) -> int:

@@ -242,6 +242,28 @@ def test_recovers_after_probes_when_text_becomes_predictable(rng) -> None:
     assert first <= interval and chosen[first] == 1  # the next probe
     assert chosen[-10:] == [NUM_SPEC] * 10, chosen
     assert chooser.probe_interval == PROBE_INTERVAL
+    # After the probe, N at most doubles a step until the largest is reached.
+    drafted = [n for n in chosen[first:] if n]
+    ramp = drafted[: drafted.index(NUM_SPEC) + 1]
+    assert all(b <= 2 * a for a, b in zip(ramp, ramp[1:], strict=False)), ramp
+    assert len(set(ramp)) >= 3, ramp  # 1, then at least 2, then 4 on the way to 7
+
+
+def test_one_lucky_probe_buys_no_jump_to_the_largest_n(rng) -> None:
+    """A batch at N = 0 whose probe's draft lands (drafts otherwise rarely do) drafts at
+    most twice the probe's N next, not the largest N one verify's estimate would pay for."""
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), 0.0, 0.0)  # free drafts: N = 7 pays
+    one = [AcceptanceEstimate()]
+    run(chooser, one, [0.0], r, 200)  # the prior learns that drafts never land
+    assert chooser.steps_since_drafting > 0 and one[0].alpha_bin < ALPHA_BINS // 8
+    while chooser.choose(one, 1) == 0:  # until the next probe
+        pass
+    chooser.observe(one[0], 1, 1)  # its one draft lands
+    alpha = one[0].alpha_bin / ALPHA_BINS
+    unlimited = max(range(NUM_SPEC + 1), key=lambda n: rate(chooser, [alpha], 1, n))
+    assert unlimited > 2  # what the estimate alone would draft
+    assert chooser.choose(one, 1) == 2
 
 
 def brute_force(chooser: DraftLengthChooser, alphas: list[float], batch: int) -> float:
