@@ -332,8 +332,14 @@ class DraftLengthChooser:
         if best:
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
             if self.ramp and best > 2 * self.ramp:
-                best = self.ramp = max(n for n in allowed if n <= 2 * self.ramp)
-                return best
+                # The largest allowed N up to twice the ramp's, else the next allowed above it
+                # (a cap of 0, 3 or 7 drafts).
+                larger = [n for n in allowed if n > self.ramp]
+                within = [n for n in larger if n <= 2 * self.ramp]
+                step = max(within) if within else min(larger)
+                if step < best:
+                    self.ramp = step
+                    return step
             self.ramp = 0
             return self._explore(batch, best, rates)
         self.steps_since_drafting += 1

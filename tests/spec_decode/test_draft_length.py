@@ -266,6 +266,20 @@ def test_one_lucky_probe_buys_no_jump_to_the_largest_n(rng) -> None:
     assert chooser.choose(one, 1) == 2
 
 
+def test_a_ramp_moved_to_a_coarser_cap_drafts_its_smallest_n() -> None:
+    """A ramp from a 1-draft probe whose batch grows to where only 0, 3 or 7 drafts are
+    allowed drafts 3 (not 0, nor 7 at once), then 7: each step the next allowed N up when none
+    lies within twice the last."""
+    chooser = trusted_chooser(0.95, explore=False)
+    chooser.record_step(32, 0, 0.01)  # decode timed: no calibration steps
+    chooser.ramp = 1
+    sure = AcceptanceEstimate()
+    sure.alpha_bin = ALPHA_BINS
+    assert chooser.choose([sure] * 32, 32) == 3
+    assert chooser.choose([sure] * 32, 32) == 7
+    assert chooser.ramp == 0  # done: 7 needed no cap
+
+
 def brute_force(chooser: DraftLengthChooser, alphas: list[float], batch: int) -> float:
     """The best expected tokens per second over every allowed N, at exact alphas, drafting
     only where it gains MIN_DRAFT_GAIN over plain decoding."""
