@@ -39,7 +39,7 @@ class BlockManager:
         self.block_key: dict[int, tuple] = {}  # block id -> (parent hash, token ids)
         self.cached: dict[tuple, int] = {}  # (parent hash, token ids) -> block id
         # `free` calls so far: a block freed since a count was taken may belong to another
-        # request by now (the drafter's deferred context writes watch it).
+        # request by now (a drafter with window pages writes its deferred context then).
         self.num_frees = 0
         # Blocks taken fresh since the engine last looked (None: not tracked): a drafter's
         # deferred context rows in such a block must land before its new owner's.

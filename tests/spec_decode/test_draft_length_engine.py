@@ -214,7 +214,7 @@ def test_finished_requests_deferred_context_waits_until_its_blocks_pass_on(
 ) -> None:
     """Two requests one after the other, every step at N = 0: the first one's deferred drafter
     context is not written when it finishes (a later write of many rows costs what one does),
-    only once the second request takes a block it lies in (a pool of 16 blocks), and the
+    only once the second request takes a block it lies in (a pool of 20 blocks), and the
     cache ends as writing every step leaves it."""
     target, drafter = pairs["random"]
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
