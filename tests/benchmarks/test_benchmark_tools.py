@@ -157,7 +157,12 @@ def test_step_timeline_summary_counts_busy_time_and_idle_gaps(rng) -> None:
             {"name": "Memcpy DtoH", "ts": t + 65.0 + gap, "dur": 2.0},
         ]
     events.append({"name": "end", "ts": 400.0, "dur": 0.0})
-    summary, lines = summarize(events, 4)
+    # The host's calls: one spans the idle time before step 2's GEMM, one lies elsewhere.
+    host = [
+        {"name": "early", "ts": 1.0, "dur": 20.0},
+        {"name": "schedule", "ts": 167.0 + gaps[1], "dur": 33.0 - gaps[1]},
+    ]
+    summary, lines = summarize(events, 4, host)
     assert summary["span_ms"] == pytest.approx(0.1)
     assert summary["events_per_step"] == 3
     assert summary["busy_ms"] * 2e3 == pytest.approx(2 * 67.0)
@@ -167,6 +172,8 @@ def test_step_timeline_summary_counts_busy_time_and_idle_gaps(rng) -> None:
     assert summary["gaps_ms"] * 2e3 == pytest.approx(idle)
     assert summary["kernels"]["_skinny_matmul_kernel"] == {"per_step": 1.0, "ms": 0.06}
     assert len(lines) == 6
+    before_gemm = [calls for _, name, calls in summary["host_in_gaps"] if name.startswith("_sk")]
+    assert before_gemm == [[f"{33.0 - gaps[1]:.0f} us schedule"]]
 
 
 def test_compile_stalls_needs_a_gpu(monkeypatch) -> None:
