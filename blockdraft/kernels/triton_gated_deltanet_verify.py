@@ -4,24 +4,22 @@ the kernels of `gated_deltanet_verify_torch` and `gated_deltanet_commit_torch`
 dtypes, reductions may round in a different order).
 
 Verify: one program per (sequence, value head, block of value dims) holds its [Dk, BV] slice
-of the float32 state on chip over the block's rows. It first forms, for every row at once, the
-conv (SiLU) of its key head's q and k channels and of its value channels over the window (the
-slot's conv state, then the block's inputs, read through the step's row indices), g and beta
-and the L2 norms, and keeps the rows' conv inputs, conv outputs, g and beta in the slot's
-stash; then it advances the state row by row on registers alone (each row's inputs picked out
-of the tiles) and stores the un-normed outputs. The rows' loads are thus in flight together,
-off the recurrence's serial path. The programs of the value heads sharing a key head each
-form its q and k (a few hundred multiply-adds a row, against a round trip between programs);
-value block 0 of the key head's first value head stashes them. The slot's states are only
-read. Splitting a head's value dims over programs keeps a batch of one busy (Qwen3.5 27B:
-4 x 48 programs), each with one serial pass over the rows instead of one a block; the gated
-RMSNorm then needs the head's whole output row: the head's last program to finish (an atomic
-counter per (sequence, value head), reset by it) normalises all its rows.
+of the float32 state on chip over the block's rows. For each row it forms the conv (SiLU) of
+its key head's q and k channels and of its value channels over the window (the slot's conv
+state, then the block's inputs, read through the step's row indices), g and beta, the L2
+norms, advances the state and stores the un-normed output, and keeps the row's conv inputs,
+conv outputs, g and beta in the slot's stash. The programs of the value heads sharing a key
+head each form its q and k (a few hundred multiply-adds a row, against a round trip between
+programs); value block 0 of the key head's first value head stashes them. The slot's states
+are only read. Splitting a head's value dims over programs keeps a batch of one busy (Qwen3.5
+27B: 4 x 48 programs), each with one serial pass over the rows instead of one a block; the
+gated RMSNorm then needs the head's whole output row: the head's last program to finish (an
+atomic counter per (sequence, value head), reset by it) normalises all its rows.
 
-Commit: one program per (sequence, value head, block of value dims) loads the accepted rows of
-the stash at once, advances its state slice over them and stores it; the program of value
-block 0 of each key head's first value head shifts that key head's q/k conv state, every
-program its own value channels. Nothing in the launch reads what another program writes.
+Commit: one program per (sequence, value head, block of value dims) advances its state slice
+over the accepted rows of the stash and stores it; the program of value block 0 of each key
+head's first value head shifts that key head's q/k conv state, every program its own value
+channels. Nothing in the launch reads what another program writes.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from blockdraft.kernels.gated_deltanet_verify import (
     gated_deltanet_verify_torch,
 )
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from blockdraft.kernels.triton_gated_delta_rule import _delta_step
 
 __all__ = [
     "gated_deltanet_commit_torch",
@@ -45,99 +44,49 @@ __all__ = [
 
 
 @triton.jit
-def _conv_tile(
+def _window_conv(
     qkv_ptr,  # [N, conv_dim] row stride stride_qkv
     stride_qkv,
     rows_ptr,  # this sequence's [T] flat rows
     conv_ptr,  # this slot's conv state [K - 1, conv_dim] contiguous
     weight_ptr,  # [conv_dim, K] contiguous
-    offs_t,  # [BT] the steps
-    T,
+    t,  # the step: window rows t .. t + K - 1
     ch,  # [B] channels
     mask,  # [B]
     keep,  # scalar: read the conv state (not fresh)
     conv_dim,
     K: tl.constexpr,
 ):
-    """silu(conv) of the channels at every step [BT, B] over each step's window (the conv
-    state's K - 1 rows, then the block's inputs), float32 rounded as the torch twin rounds: the
-    sum to the conv state's dtype, the SiLU's result to it and then to the inputs' dtype
-    (returned in it); and the steps' own inputs [BT, B] (the window's last tap), for the stash.
-    All steps' loads are independent, so they are in flight together, off the recurrence's
-    serial path."""
+    """silu(conv) of the channels at step t over the window (the conv state's K - 1 rows,
+    then the block's inputs), float32 rounded as the torch twin rounds: the sum to the conv
+    state's dtype, the SiLU's result to it and then to the inputs' dtype (returned in it)."""
     state_ty = conv_ptr.dtype.element_ty
-    acc = tl.zeros((offs_t.shape[0], ch.shape[0]), dtype=tl.float32)
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
     for j in tl.static_range(K):
-        i = offs_t + j  # window row of each step
+        i = t + j  # window row
         in_state = i < K - 1
-        src = i - (K - 1)  # the step whose input it is
-        is_new = (i >= K - 1) & (src < T)
-        x_old = tl.load(
-            conv_ptr + i[:, None] * conv_dim + ch[None, :],
-            mask=mask[None, :] & (in_state[:, None] & keep),
-            other=0.0,
-        )
-        row = tl.load(rows_ptr + src, mask=is_new, other=0)
-        x_new = tl.load(
-            qkv_ptr + row[:, None] * stride_qkv + ch[None, :],
-            mask=mask[None, :] & is_new[:, None],
-            other=0.0,
-        )
-        x = tl.where(in_state[:, None], x_old, x_new.to(state_ty))
+        x_old = tl.load(conv_ptr + i * conv_dim + ch, mask=mask & keep & in_state, other=0.0)
+        row = tl.load(rows_ptr + i - (K - 1), mask=i >= K - 1, other=0)
+        x_new = tl.load(qkv_ptr + row * stride_qkv + ch, mask=mask & (i >= K - 1), other=0.0)
+        x = tl.where(in_state, x_old, x_new.to(state_ty))
         w = tl.load(weight_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32)
-        acc += x.to(tl.float32) * w[None, :]
+        acc += x.to(tl.float32) * w
     acc = acc.to(state_ty).to(tl.float32)
-    mixed = (acc / (1.0 + tl.exp(-acc))).to(state_ty).to(qkv_ptr.dtype.element_ty)
-    return mixed, x_new
+    return (acc / (1.0 + tl.exp(-acc))).to(state_ty).to(qkv_ptr.dtype.element_ty)
 
 
 @triton.jit
-def _stash_tile(
-    stash_ptr,  # this slot's stash rows [W, conv_dim]
-    tile,  # [BT, B]
-    offs_t,  # [BT]
+def _stash_row(
+    qkv_row_ptr,  # this step's conv inputs [conv_dim]
+    stash_qkv_ptr,  # this step's stash rows [conv_dim]
+    stash_mixed_ptr,
+    mixed,  # [B] conv outputs, the inputs' dtype
     ch,  # [B]
-    mask,  # [BT, B]
-    conv_dim,
+    mask,  # [B]
 ):
-    ptrs = stash_ptr + offs_t[:, None] * conv_dim + ch[None, :]
-    tl.store(ptrs, tile.to(stash_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _l2_normed(
-    x,  # [BT, B] float32
-    scale,
-    eps,
-):
-    """Each row of x L2-normalised and scaled, as `_delta_step` forms q and k."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None] * scale
-
-
-@triton.jit
-def _row(
-    tile,  # [BT, B]
-    sel,  # [BT] bool, true at one step
-):
-    """The selected row of a tile held in registers ([B], exact: the other rows add zeros)."""
-    return tl.sum(tl.where(sel[:, None], tile, 0.0), axis=0)
-
-
-@triton.jit
-def _normed_step(
-    state,  # [BK, BV] float32
-    q,  # [BK] float32, normalised and scaled
-    k,  # [BK] float32, normalised
-    v,  # [BV] float32
-    decay,  # [BV] float32, the step's decay in every lane
-    beta,  # [BV] float32, likewise
-):
-    """`_delta_step` on inputs normalised ahead: (new state, output [BV])."""
-    state = state * decay[None, :]
-    predicted = tl.sum(state * k[:, None], axis=0)
-    delta = (v - predicted) * beta
-    state = state + k[:, None] * delta[None, :]
-    return state, tl.sum(state * q[:, None], axis=0)
+    x = tl.load(qkv_row_ptr + ch, mask=mask, other=0.0)
+    tl.store(stash_qkv_ptr + ch, x.to(stash_qkv_ptr.dtype.element_ty), mask=mask)
+    tl.store(stash_mixed_ptr + ch, mixed.to(stash_mixed_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -243,8 +192,7 @@ def _gated_deltanet_verify_kernel(
     offs_v = block * BV + tl.arange(0, BV)
     mask_v = offs_v < Dv
     v_ch = 2 * Hk * Dk + head * Dv + offs_v
-    offs_t = tl.arange(0, BT)
-    taken = offs_t < length
+    stashes_qk = mask_k & (head % groups == 0) & (block == 0)
     state_ptrs = (
         state_ptr
         + (slot * Hv + head) * Dk * Dv
@@ -255,48 +203,34 @@ def _gated_deltanet_verify_kernel(
     neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
 
-    # Every step's conv, gates and stash first, all loads in flight at once; the recurrence
-    # below then touches no memory until its outputs are stored.
-    q, x_q = _conv_tile(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr,
-                        offs_t, T, q_ch, mask_k, keep, conv_dim, K)  # fmt: skip
-    k, x_k = _conv_tile(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr,
-                        offs_t, T, k_ch, mask_k, keep, conv_dim, K)  # fmt: skip
-    v, x_v = _conv_tile(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr,
-                        offs_t, T, v_ch, mask_v, keep, conv_dim, K)  # fmt: skip
-    stash_row0 = (slot * W) * conv_dim
-    stashes_qk = taken[:, None] & (mask_k & (head % groups == 0) & (block == 0))[None, :]
-    stashes_v = taken[:, None] & mask_v[None, :]
-    _stash_tile(stash_qkv_ptr + stash_row0, x_q, offs_t, q_ch, stashes_qk, conv_dim)
-    _stash_tile(stash_qkv_ptr + stash_row0, x_k, offs_t, k_ch, stashes_qk, conv_dim)
-    _stash_tile(stash_qkv_ptr + stash_row0, x_v, offs_t, v_ch, stashes_v, conv_dim)
-    _stash_tile(stash_mixed_ptr + stash_row0, q, offs_t, q_ch, stashes_qk, conv_dim)
-    _stash_tile(stash_mixed_ptr + stash_row0, k, offs_t, k_ch, stashes_qk, conv_dim)
-    _stash_tile(stash_mixed_ptr + stash_row0, v, offs_t, v_ch, stashes_v, conv_dim)
-
-    rows = tl.load(seq_rows_ptr + offs_t, mask=offs_t < T, other=0)
-    b = tl.load(ba_ptr + rows * stride_ba + head)
-    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
-    a = tl.load(ba_ptr + rows * stride_ba + Hv + head).to(tl.float32) + dt_bias
-    g = neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    gb_ptrs = stash_gb_ptr + (slot * W + offs_t) * 2 * Hv + head
-    tl.store(gb_ptrs, g, mask=taken & (block == 0))
-    tl.store(gb_ptrs + Hv, beta, mask=taken & (block == 0))
-
-    q = _l2_normed(q.to(tl.float32), scale, l2_eps)
-    k = _l2_normed(k.to(tl.float32), 1.0, l2_eps)
-    v = v.to(tl.float32)
-    zeros = tl.zeros((BT, BV), dtype=tl.float32)
-    decay = tl.exp(g)[:, None] + zeros  # [BT, BV]: v's layout, each row one value
-    beta = beta[:, None] + zeros
-    core = zeros
     for t in range(0, length):
-        sel = offs_t == t
-        state, out = _normed_step(
-            state, _row(q, sel), _row(k, sel), _row(v, sel), _row(decay, sel), _row(beta, sel)
-        )
-        core = tl.where(sel[:, None], out[None, :], core)
-    out_ptrs = out_ptr + rows[:, None] * (Hv * Dv) + head * Dv + offs_v[None, :]
-    tl.store(out_ptrs, core.to(out_ty), mask=taken[:, None] & mask_v[None, :])
+        row = tl.load(seq_rows_ptr + t)
+        q = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         q_ch, mask_k, keep, conv_dim, K)  # fmt: skip
+        k = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         k_ch, mask_k, keep, conv_dim, K)  # fmt: skip
+        v = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
+                         v_ch, mask_v, keep, conv_dim, K)  # fmt: skip
+        x_ptr = qkv_ptr + row * stride_qkv
+        x_stash_ptr = stash_qkv_ptr + (slot * W + t) * conv_dim
+        mixed_stash_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, q, q_ch, stashes_qk)
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, k, k_ch, stashes_qk)
+        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, v, v_ch, mask_v)
+
+        b = tl.load(ba_ptr + row * stride_ba + head)
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+        a = tl.load(ba_ptr + row * stride_ba + Hv + head).to(tl.float32) + dt_bias
+        g = neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
+        tl.store(gb_ptr, g, mask=block == 0)
+        tl.store(gb_ptr + Hv, beta, mask=block == 0)
+
+        state, core = _delta_step(
+            state, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), tl.exp(g), beta,
+            scale, l2_eps,
+        )  # fmt: skip
+        tl.store(out_ptr + row * (Hv * Dv) + head * Dv + offs_v, core.to(out_ty), mask=mask_v)
 
     # Every thread's stores come before the arrival, which releases them to the last program.
     tl.debug_barrier()
@@ -361,7 +295,6 @@ def _gated_deltanet_commit_kernel(
     KP: tl.constexpr,  # K - 1 rounded up to a power of two
     BK: tl.constexpr,
     BV: tl.constexpr,
-    BW: tl.constexpr,  # W rounded up to a power of two
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -385,26 +318,14 @@ def _gated_deltanet_commit_kernel(
         + offs_v[None, :]
     )
     state = tl.load(state_ptrs, mask=mask, other=0.0)
-    # The kept rows' q, k, v, g and beta first, all loads in flight at once (the rows'
-    # addresses never depend on the state), then the recurrence over registers.
-    offs_t = tl.arange(0, BW)
-    kept = offs_t < length
-    mixed_ptrs = stash_mixed_ptr + (slot * W + offs_t[:, None]) * conv_dim
-    q = tl.load(mixed_ptrs + q_ch[None, :], mask=kept[:, None] & mask_k[None, :], other=0.0)
-    k = tl.load(mixed_ptrs + k_ch[None, :], mask=kept[:, None] & mask_k[None, :], other=0.0)
-    v = tl.load(mixed_ptrs + v_ch[None, :], mask=kept[:, None] & mask_v[None, :], other=0.0)
-    gb_ptrs = stash_gb_ptr + (slot * W + offs_t) * 2 * Hv + head
-    zeros = tl.zeros((BW, BV), dtype=tl.float32)
-    decay = tl.exp(tl.load(gb_ptrs, mask=kept, other=0.0))[:, None] + zeros
-    beta = tl.load(gb_ptrs + Hv, mask=kept, other=0.0)[:, None] + zeros
-    q = _l2_normed(q.to(tl.float32), scale, eps)
-    k = _l2_normed(k.to(tl.float32), 1.0, eps)
-    v = v.to(tl.float32)
     for t in range(0, length):
-        sel = offs_t == t
-        state, _ = _normed_step(
-            state, _row(q, sel), _row(k, sel), _row(v, sel), _row(decay, sel), _row(beta, sel)
-        )
+        mixed_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
+        q = tl.load(mixed_ptr + q_ch, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(mixed_ptr + k_ch, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(mixed_ptr + v_ch, mask=mask_v, other=0.0).to(tl.float32)
+        gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
+        decay = tl.exp(tl.load(gb_ptr))
+        state, _ = _delta_step(state, q, k, v, decay, tl.load(gb_ptr + Hv), scale, eps)
     taken = length > 0
     tl.store(state_ptrs, state, mask=mask & taken)
 
@@ -504,5 +425,5 @@ def triton_gated_deltanet_commit(
         state_pool.shape[0], stash_qkv.shape[1], num_k_heads, hv, dk, dv, hv // num_k_heads,
         dk**-0.5, 1e-6,
         K=taps, KP=triton.next_power_of_2(taps - 1), BK=triton.next_power_of_2(dk), BV=bv,
-        BW=triton.next_power_of_2(stash_qkv.shape[1]), num_warps=4,
+        num_warps=4,
     )  # fmt: skip
