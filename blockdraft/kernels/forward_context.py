@@ -44,6 +44,9 @@ class AttentionMetadata:
     cache: dict = field(default_factory=dict)
     # Per-request recurrent state of linear-attention layers (hybrid models); None otherwise.
     linear: LinearStateMetadata | None = None
+    # Called by the decoder after each of its layers (with the layer's index): a CUDA-graph
+    # capture in segments starts its next graph there (`runtime.cuda_graph_runner`).
+    after_layer: Callable[[int], None] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -32,6 +32,10 @@ from blockdraft.kernels.gated_delta_rule import (
     store_conv_state_torch,
 )
 
+# The longest conv the Triton verify kernel takes (it holds the window in registers); layers
+# with longer ones verify through their torch steps.
+MAX_CONV_TAPS = 4
+
 
 def gated_deltanet_verify_torch(
     qkv: torch.Tensor,  # [N, conv_dim] the forward's conv inputs: q | k | v channels

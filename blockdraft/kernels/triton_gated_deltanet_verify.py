@@ -6,20 +6,24 @@ dtypes, reductions may round in a different order).
 Verify: one program per (sequence, value head, block of value dims) holds its [Dk, BV] slice
 of the float32 state on chip over the block's rows. For each row it forms the conv (SiLU) of
 its key head's q and k channels and of its value channels over the window (the slot's conv
-state, then the block's inputs, read through the step's row indices), g and beta, the L2
-norms, advances the state and stores the un-normed output, and keeps the row's conv inputs,
-conv outputs, g and beta in the slot's stash. The programs of the value heads sharing a key
-head each form its q and k (a few hundred multiply-adds a row, against a round trip between
-programs); value block 0 of the key head's first value head stashes them. The slot's states
-are only read. Splitting a head's value dims over programs keeps a batch of one busy (Qwen3.5
-27B: 4 x 48 programs), each with one serial pass over the rows instead of one a block; the
-gated RMSNorm then needs the head's whole output row: the head's last program to finish (an
-atomic counter per (sequence, value head), reset by it) normalises all its rows.
+state, then the block's inputs; the window's older inputs and the tap weights stay in
+registers from row to row), g and beta, the L2 norms, advances the state and stores the
+un-normed output, and keeps the row's conv inputs, conv outputs, g and beta in the slot's
+stash. The next row's inputs are loaded while this row's recurrence runs, so their latency
+stays off the serial path (H200, Qwen3.5-27B heads, 16 rows: 45.5 -> 28.0 us at batch 1).
+The programs of the value heads sharing a key head each form its q and k (a few hundred
+multiply-adds a row, against a round trip between programs); value block 0 of the key head's
+first value head stashes them. The slot's states are only read. Splitting a head's value dims
+over programs keeps a batch of one busy (Qwen3.5 27B: 4 x 48 programs), each with one serial
+pass over the rows instead of one a block; the gated RMSNorm then needs the head's whole
+output row: the head's last program to finish (an atomic counter per (sequence, value head),
+reset by it) normalises all its rows. The window is held for conv kernels of up to 4 taps
+(every published Gated DeltaNet uses 4).
 
 Commit: one program per (sequence, value head, block of value dims) advances its state slice
-over the accepted rows of the stash and stores it; the program of value block 0 of each key
-head's first value head shifts that key head's q/k conv state, every program its own value
-channels. Nothing in the launch reads what another program writes.
+over the accepted rows of the stash (each row loaded one row ahead) and stores it; the program
+of value block 0 of each key head's first value head shifts that key head's q/k conv state,
+every program its own value channels. Nothing in the launch reads what another program writes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.gated_deltanet_verify import (
+    MAX_CONV_TAPS,
     gated_deltanet_commit_torch,
     gated_deltanet_verify_torch,
 )
@@ -44,49 +49,66 @@ __all__ = [
 
 
 @triton.jit
-def _window_conv(
-    qkv_ptr,  # [N, conv_dim] row stride stride_qkv
-    stride_qkv,
-    rows_ptr,  # this sequence's [T] flat rows
+def _conv_window_start(
     conv_ptr,  # this slot's conv state [K - 1, conv_dim] contiguous
     weight_ptr,  # [conv_dim, K] contiguous
-    t,  # the step: window rows t .. t + K - 1
     ch,  # [B] channels
     mask,  # [B]
     keep,  # scalar: read the conv state (not fresh)
     conv_dim,
-    K: tl.constexpr,
+    K: tl.constexpr,  # <= 4
 ):
-    """silu(conv) of the channels at step t over the window (the conv state's K - 1 rows,
-    then the block's inputs), float32 rounded as the torch twin rounds: the sum to the conv
-    state's dtype, the SiLU's result to it and then to the inputs' dtype (returned in it)."""
-    state_ty = conv_ptr.dtype.element_ty
-    acc = tl.zeros(ch.shape, dtype=tl.float32)
-    for j in tl.static_range(K):
-        i = t + j  # window row
-        in_state = i < K - 1
-        x_old = tl.load(conv_ptr + i * conv_dim + ch, mask=mask & keep & in_state, other=0.0)
-        row = tl.load(rows_ptr + i - (K - 1), mask=i >= K - 1, other=0)
-        x_new = tl.load(qkv_ptr + row * stride_qkv + ch, mask=mask & (i >= K - 1), other=0.0)
-        x = tl.where(in_state, x_old, x_new.to(state_ty))
-        w = tl.load(weight_ptr + ch * K + j, mask=mask, other=0.0).to(tl.float32)
-        acc += x.to(tl.float32) * w
-    acc = acc.to(state_ty).to(tl.float32)
-    return (acc / (1.0 + tl.exp(-acc))).to(state_ty).to(qkv_ptr.dtype.element_ty)
+    """The window before the block's first row: the conv state's last three rows p1 (newest),
+    p2, p3 (zeros where K - 1 is smaller), and the K tap weights w0..w3 (float32; zeros past
+    K), loaded once for every row of the block."""
+    p1 = tl.load(conv_ptr + (K - 2) * conv_dim + ch, mask=mask & keep & (K >= 2), other=0.0)
+    p2 = tl.load(conv_ptr + (K - 3) * conv_dim + ch, mask=mask & keep & (K >= 3), other=0.0)
+    p3 = tl.load(conv_ptr + (K - 4) * conv_dim + ch, mask=mask & keep & (K >= 4), other=0.0)
+    w0 = tl.load(weight_ptr + ch * K + 0, mask=mask, other=0.0).to(tl.float32)
+    w1 = tl.load(weight_ptr + ch * K + 1, mask=mask & (K >= 2), other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + ch * K + 2, mask=mask & (K >= 3), other=0.0).to(tl.float32)
+    w3 = tl.load(weight_ptr + ch * K + 3, mask=mask & (K >= 4), other=0.0).to(tl.float32)
+    return p1, p2, p3, w0, w1, w2, w3
 
 
 @triton.jit
-def _stash_row(
-    qkv_row_ptr,  # this step's conv inputs [conv_dim]
-    stash_qkv_ptr,  # this step's stash rows [conv_dim]
-    stash_mixed_ptr,
-    mixed,  # [B] conv outputs, the inputs' dtype
-    ch,  # [B]
-    mask,  # [B]
+def _conv_of_window(
+    x,  # [B] this row's inputs, the conv state's dtype
+    p1,  # [B] the three inputs before it, newest first
+    p2,
+    p3,
+    w0,  # [B] float32 tap weights, oldest input's first
+    w1,
+    w2,
+    w3,
+    out_ty: tl.constexpr,
+    K: tl.constexpr,
 ):
-    x = tl.load(qkv_row_ptr + ch, mask=mask, other=0.0)
-    tl.store(stash_qkv_ptr + ch, x.to(stash_qkv_ptr.dtype.element_ty), mask=mask)
-    tl.store(stash_mixed_ptr + ch, mixed.to(stash_mixed_ptr.dtype.element_ty), mask=mask)
+    """silu(conv) over the window in float32, summed oldest input first and rounded as the
+    torch twin rounds: the sum to the conv state's dtype, the SiLU's result to it and then to
+    the inputs' dtype (returned in it)."""
+    state_ty = x.dtype
+    acc = tl.zeros(x.shape, dtype=tl.float32)
+    for j in tl.static_range(K):
+        if K - 1 - j == 3:
+            val = p3
+        elif K - 1 - j == 2:
+            val = p2
+        elif K - 1 - j == 1:
+            val = p1
+        else:
+            val = x
+        if j == 0:
+            w = w0
+        elif j == 1:
+            w = w1
+        elif j == 2:
+            w = w2
+        else:
+            w = w3
+        acc += val.to(tl.float32) * w
+    acc = acc.to(state_ty).to(tl.float32)
+    return (acc / (1.0 + tl.exp(-acc))).to(state_ty).to(out_ty)
 
 
 @triton.jit
@@ -203,25 +225,47 @@ def _gated_deltanet_verify_kernel(
     neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
 
+    state_ty = conv_ptr.dtype.element_ty
+    in_ty = qkv_ptr.dtype.element_ty
+    qp1, qp2, qp3, qw0, qw1, qw2, qw3 = _conv_window_start(conv_slot_ptr, conv_weight_ptr, q_ch,
+                                                            mask_k, keep, conv_dim, K)  # fmt: skip
+    kp1, kp2, kp3, kw0, kw1, kw2, kw3 = _conv_window_start(conv_slot_ptr, conv_weight_ptr, k_ch,
+                                                            mask_k, keep, conv_dim, K)  # fmt: skip
+    vp1, vp2, vp3, vw0, vw1, vw2, vw3 = _conv_window_start(conv_slot_ptr, conv_weight_ptr, v_ch,
+                                                            mask_v, keep, conv_dim, K)  # fmt: skip
+    row = tl.load(seq_rows_ptr)
+    xq = tl.load(qkv_ptr + row * stride_qkv + q_ch, mask=mask_k, other=0.0)
+    xk = tl.load(qkv_ptr + row * stride_qkv + k_ch, mask=mask_k, other=0.0)
+    xv = tl.load(qkv_ptr + row * stride_qkv + v_ch, mask=mask_v, other=0.0)
+    b = tl.load(ba_ptr + row * stride_ba + head)
+    a = tl.load(ba_ptr + row * stride_ba + Hv + head)
     for t in range(0, length):
-        row = tl.load(seq_rows_ptr + t)
-        q = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
-                         q_ch, mask_k, keep, conv_dim, K)  # fmt: skip
-        k = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
-                         k_ch, mask_k, keep, conv_dim, K)  # fmt: skip
-        v = _window_conv(qkv_ptr, stride_qkv, seq_rows_ptr, conv_slot_ptr, conv_weight_ptr, t,
-                         v_ch, mask_v, keep, conv_dim, K)  # fmt: skip
-        x_ptr = qkv_ptr + row * stride_qkv
+        # The next row's inputs are loaded now and used a row later: their latency hides
+        # behind this row's recurrence instead of lying on the serial path.
+        more = t + 1 < length
+        next_row = tl.load(seq_rows_ptr + t + 1, mask=more, other=0)
+        next_xq = tl.load(qkv_ptr + next_row * stride_qkv + q_ch, mask=mask_k & more, other=0.0)
+        next_xk = tl.load(qkv_ptr + next_row * stride_qkv + k_ch, mask=mask_k & more, other=0.0)
+        next_xv = tl.load(qkv_ptr + next_row * stride_qkv + v_ch, mask=mask_v & more, other=0.0)
+        next_b = tl.load(ba_ptr + next_row * stride_ba + head, mask=more, other=0.0)
+        next_a = tl.load(ba_ptr + next_row * stride_ba + Hv + head, mask=more, other=0.0)
+
+        sq, sk, sv = xq.to(state_ty), xk.to(state_ty), xv.to(state_ty)
+        q = _conv_of_window(sq, qp1, qp2, qp3, qw0, qw1, qw2, qw3, in_ty, K)
+        k = _conv_of_window(sk, kp1, kp2, kp3, kw0, kw1, kw2, kw3, in_ty, K)
+        v = _conv_of_window(sv, vp1, vp2, vp3, vw0, vw1, vw2, vw3, in_ty, K)
         x_stash_ptr = stash_qkv_ptr + (slot * W + t) * conv_dim
         mixed_stash_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
-        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, q, q_ch, stashes_qk)
-        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, k, k_ch, stashes_qk)
-        _stash_row(x_ptr, x_stash_ptr, mixed_stash_ptr, v, v_ch, mask_v)
+        tl.store(x_stash_ptr + q_ch, xq.to(stash_qkv_ptr.dtype.element_ty), mask=stashes_qk)
+        tl.store(x_stash_ptr + k_ch, xk.to(stash_qkv_ptr.dtype.element_ty), mask=stashes_qk)
+        tl.store(x_stash_ptr + v_ch, xv.to(stash_qkv_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(mixed_stash_ptr + q_ch, q.to(stash_mixed_ptr.dtype.element_ty), mask=stashes_qk)
+        tl.store(mixed_stash_ptr + k_ch, k.to(stash_mixed_ptr.dtype.element_ty), mask=stashes_qk)
+        tl.store(mixed_stash_ptr + v_ch, v.to(stash_mixed_ptr.dtype.element_ty), mask=mask_v)
 
-        b = tl.load(ba_ptr + row * stride_ba + head)
         beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
-        a = tl.load(ba_ptr + row * stride_ba + Hv + head).to(tl.float32) + dt_bias
-        g = neg_a * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        a_f = a.to(tl.float32) + dt_bias
+        g = neg_a * tl.where(a_f > 20.0, a_f, tl.log(1.0 + tl.exp(a_f)))
         gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
         tl.store(gb_ptr, g, mask=block == 0)
         tl.store(gb_ptr + Hv, beta, mask=block == 0)
@@ -231,6 +275,11 @@ def _gated_deltanet_verify_kernel(
             scale, l2_eps,
         )  # fmt: skip
         tl.store(out_ptr + row * (Hv * Dv) + head * Dv + offs_v, core.to(out_ty), mask=mask_v)
+
+        qp3, qp2, qp1 = qp2, qp1, sq
+        kp3, kp2, kp1 = kp2, kp1, sk
+        vp3, vp2, vp1 = vp2, vp1, sv
+        row, xq, xk, xv, b, a = next_row, next_xq, next_xk, next_xv, next_b, next_a
 
     # Every thread's stores come before the arrival, which releases them to the last program.
     tl.debug_barrier()
@@ -318,14 +367,27 @@ def _gated_deltanet_commit_kernel(
         + offs_v[None, :]
     )
     state = tl.load(state_ptrs, mask=mask, other=0.0)
+    mixed_ptr = stash_mixed_ptr + slot * W * conv_dim
+    gb_ptr = stash_gb_ptr + slot * W * 2 * Hv + head
+    some = length > 0
+    q = tl.load(mixed_ptr + q_ch, mask=mask_k & some, other=0.0)
+    k = tl.load(mixed_ptr + k_ch, mask=mask_k & some, other=0.0)
+    v = tl.load(mixed_ptr + v_ch, mask=mask_v & some, other=0.0)
+    g = tl.load(gb_ptr, mask=some, other=0.0)
+    beta = tl.load(gb_ptr + Hv, mask=some, other=0.0)
     for t in range(0, length):
-        mixed_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
-        q = tl.load(mixed_ptr + q_ch, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(mixed_ptr + k_ch, mask=mask_k, other=0.0).to(tl.float32)
-        v = tl.load(mixed_ptr + v_ch, mask=mask_v, other=0.0).to(tl.float32)
-        gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
-        decay = tl.exp(tl.load(gb_ptr))
-        state, _ = _delta_step(state, q, k, v, decay, tl.load(gb_ptr + Hv), scale, eps)
+        # The next row loads now and is used a row later (see the verify kernel).
+        more = t + 1 < length
+        mixed_ptr += conv_dim
+        gb_ptr += 2 * Hv
+        next_q = tl.load(mixed_ptr + q_ch, mask=mask_k & more, other=0.0)
+        next_k = tl.load(mixed_ptr + k_ch, mask=mask_k & more, other=0.0)
+        next_v = tl.load(mixed_ptr + v_ch, mask=mask_v & more, other=0.0)
+        next_g = tl.load(gb_ptr, mask=more, other=0.0)
+        next_beta = tl.load(gb_ptr + Hv, mask=more, other=0.0)
+        state, _ = _delta_step(state, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32),
+                               tl.exp(g), beta, scale, eps)  # fmt: skip
+        q, k, v, g, beta = next_q, next_k, next_v, next_g, next_beta
     taken = length > 0
     tl.store(state_ptrs, state, mask=mask & taken)
 
@@ -378,6 +440,11 @@ def triton_gated_deltanet_verify(
     width = stash_qkv.shape[1]
     if t > width:
         raise ValueError(f"verify blocks of {t} rows exceed the stash's {width}")
+    if conv_weight.shape[-1] > MAX_CONV_TAPS:
+        raise ValueError(
+            f"the verify kernel holds conv windows of up to {MAX_CONV_TAPS} taps, not "
+            f"{conv_weight.shape[-1]}"
+        )
     out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     if s == 0:
         return out

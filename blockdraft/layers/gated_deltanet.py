@@ -48,7 +48,7 @@ from blockdraft.kernels.gated_delta_rule import (
     split_heads,
     store_conv_state_torch,
 )
-from blockdraft.kernels.gated_deltanet_verify import gated_deltanet_commit_torch
+from blockdraft.kernels.gated_deltanet_verify import MAX_CONV_TAPS, gated_deltanet_commit_torch
 from blockdraft.kernels.select import (
     GatedDeltaNetDecodeFn,
     GatedDeltaNetVerifyFn,
@@ -244,6 +244,8 @@ class GatedDeltaNet(nn.Module):
         if step.verify.shape[0] != step.seqs.shape[0]:
             return None
         if not current_kernel_policy().fuse_gated_deltanet_verify or needs_autograd(qkv):
+            return None
+        if self.conv_kernel > MAX_CONV_TAPS:
             return None
         return self._fused_verify(qkv.device)
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from blockdraft.distributed.tensor_parallel import current_tensor_parallel
+from blockdraft.kernels.forward_context import current_attention_metadata
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear, norm_linear, norm_prologue_fits
 from blockdraft.layers.mlp import MLP
@@ -147,8 +148,12 @@ class DecoderLM(nn.Module):
         """Returns (final hidden [num_tokens, hidden], features [num_tokens, K*hidden] or None)."""
         x, residual = self.model.embed_tokens(input_ids), None
         captured = {}
+        meta = current_attention_metadata()
+        after_layer = None if meta is None else meta.after_layer
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, positions, residual)
+            if after_layer is not None:
+                after_layer(i)
             if i in self.capture_layer_ids:
                 # Summed only where captured; elsewhere the add is fused into the next norm.
                 x, residual = layer_output(x, residual), None

@@ -19,9 +19,9 @@ from kernel_inputs import DEVICE, assert_near, needs_triton
 pytestmark = needs_triton
 
 
-def tiny_layer(rng: torch.Generator, dtype: torch.dtype) -> GatedDeltaNet:
+def tiny_layer(rng: torch.Generator, dtype: torch.dtype, conv: int = 4) -> GatedDeltaNet:
     """Hk 2, Hv 6 (three value heads a key head), head dims 8 and 12, conv 4, 5 slots."""
-    layer = GatedDeltaNet(32, 2, 6, 8, 12, 4, 1e-6).requires_grad_(False)
+    layer = GatedDeltaNet(32, 2, 6, 8, 12, conv, 1e-6).requires_grad_(False)
     for p in layer.parameters():
         p.copy_(0.3 * torch.randn(p.shape, generator=rng))
     layer.to(DEVICE, dtype).allocate_states(5, 4, dtype, DEVICE)
@@ -132,3 +132,40 @@ def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch
     run(fused, x[:5], [3, 0], [12, 2], [1, 4], [False, True])  # beside a decode row
     run(fused, x, [3, 0], [12, 0], [4, 2], [True, False])  # beside a prefill chunk
     assert len(calls) == 2
+
+
+def test_a_conv_longer_than_the_verify_kernel_holds_keeps_the_step_path(
+    rng, set_policy, monkeypatch
+) -> None:
+    """The verify kernel holds conv windows of up to 4 taps in registers (and refuses longer
+    ones); a 5-tap layer verifies through its torch steps, with the same result as with the
+    kernel turned off."""
+    verify_block = ([3, 1], [9, 4], [4, 2], [True, True])
+    layers = [tiny_layer(rng, torch.float32, conv=5) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    for name in ("conv_state", "recurrent_state"):
+        getattr(layers[1], name).copy_(getattr(layers[0], name))
+    x = torch.randn(6, 32, generator=rng).to(DEVICE)
+    calls = []
+    kernel = triton_gated_deltanet_verify.triton_gated_deltanet_verify
+    monkeypatch.setattr(
+        triton_gated_deltanet_verify,
+        "triton_gated_deltanet_verify",
+        lambda *a, **k: calls.append(1) or kernel(*a, **k),
+    )
+    outs = []
+    for layer, fused in zip(layers, (True, False), strict=True):
+        set_policy(backend="triton", fuse_gated_deltanet_verify=fused)
+        outs.append(run(layer, x, *verify_block))
+    assert not calls
+    assert torch.equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="up to 4 taps"):
+        fused = layers[0]
+        kernel(
+            x.new_zeros(6, fused.conv_dim), x.new_zeros(6, 12), x.new_zeros(6, 72),
+            fused.conv1d.weight.view(fused.conv_dim, -1), fused.A_log, fused.dt_bias,
+            fused.norm.weight, 1e-6, 2, fused.conv_state, fused.recurrent_state, fused.stash_qkv,
+            fused.stash_mixed, fused.stash_gb, torch.tensor([3], device=DEVICE),
+            torch.tensor([False], device=DEVICE), torch.arange(4, device=DEVICE)[None],
+            torch.tensor([4], device=DEVICE),
+        )  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 
 from blockdraft import LLM, SamplingParams
 from blockdraft.engine.model_runner import run_forward
+from blockdraft.kernels.forward_context import forward_context
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 
 from checkpoints import make_dflash_drafter, make_qwen3_5_checkpoint, make_qwen3_checkpoint
@@ -269,3 +270,25 @@ def test_graphed_context_pads_the_rows_it_is_not_given(pair, rng) -> None:
         assert torch.all(graphed.slot_mapping[rows:] == PAD_SLOT_ID)
     graphed.clear()
     assert torch.all(graphed.slot_mapping == PAD_SLOT_ID)
+
+
+def test_decoder_reports_each_layer_where_a_capture_may_cut(pair, rng) -> None:
+    """A GPU capture cuts the target's forward into graphs after chosen layers
+    (`SegmentedGraph.cut`, called through `AttentionMetadata.after_layer`): the decoder calls
+    it after every layer, in order, and the forward's result does not change."""
+    target, _ = pair
+    llm = LLM(str(target), block_size=4, max_model_len=64)
+    engine = llm.engine
+    runner = CUDAGraphRunner(engine.model, 1, [2], 16, 4, engine.device)
+    ids = torch.randint(4, 128, (2,), generator=rng)
+    positions = torch.zeros(2, dtype=torch.int64)
+    calls: list[int] = []
+    outs = []
+    with torch.inference_mode():
+        for after_layer in (None, calls.append):
+            meta = runner._meta(2)
+            meta.after_layer = after_layer
+            with forward_context(meta):
+                outs.append(engine.model(ids, positions)[0])
+    assert calls == list(range(len(engine.model.model.layers)))
+    assert torch.equal(outs[0], outs[1])
