@@ -22,9 +22,9 @@ from blockdraft.kernels.forward_context import (
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
 
 # The layers after which a target forward's capture starts a new graph: segments of 1, 3, 12
-# layers, then the rest. Launching a graph costs the host ~0.9 us a node before its first
-# kernel runs (a Qwen3.5-27B verify, ~740 nodes: ~0.67 ms of idle GPU a step); in segments,
-# the GPU runs each one while the host launches the next, which is never longer.
+# layers, then the rest. The GPU waits while the host launches a graph (a Qwen3.5-27B step's
+# ~740 nodes: ~0.67 ms idle on an H200); in segments it runs each one while the host launches
+# the next (on large models a layer's launch is far shorter than its run).
 SEGMENT_AFTER_LAYERS = (0, 3, 15)
 
 

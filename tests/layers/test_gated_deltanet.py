@@ -30,6 +30,15 @@ def tiny_layer(rng: torch.Generator, dtype: torch.dtype, conv: int = 4) -> Gated
     return layer
 
 
+def copy_of(layer: GatedDeltaNet, rng: torch.Generator, dtype: torch.dtype) -> GatedDeltaNet:
+    """A layer with `layer`'s weights and slot states, in `dtype`."""
+    twin = tiny_layer(rng, dtype, conv=layer.conv_kernel)
+    twin.load_state_dict(layer.state_dict())
+    for name in ("conv_state", "recurrent_state"):
+        getattr(twin, name).copy_(getattr(layer, name))
+    return twin
+
+
 def run(layer: GatedDeltaNet, x: torch.Tensor, slots: list[int], starts: list[int], lens: list[int],
         verify: list[bool]) -> torch.Tensor:  # fmt: skip
     tables = [[i] * 4 for i in range(len(slots))]
@@ -56,18 +65,13 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
         "triton_gated_deltanet_decode",
         lambda *a, **k: calls.append(1) or kernel(*a, **k),
     )
-    fused, plain = tiny_layer(rng, dtype), tiny_layer(rng, dtype)
-    plain.load_state_dict(fused.state_dict())
-    for name in ("conv_state", "recurrent_state"):
-        getattr(plain, name).copy_(getattr(fused, name))
+    fused = tiny_layer(rng, dtype)
+    plain = copy_of(fused, rng, dtype)
     # In bf16 both paths round (and the interpreter truncates casts), and a gated RMSNorm before
     # out_proj can blow one step's rounding up: each is held to a float32 run of the same layer,
     # the fused one within a few times the step path's error (its casts truncate under the
     # interpreter: 1.2-3.3x seen); a wrong operand is an order of magnitude off.
-    reference = tiny_layer(rng, torch.float32)
-    reference.load_state_dict(fused.state_dict())
-    for name in ("conv_state", "recurrent_state"):
-        getattr(reference, name).copy_(getattr(fused, name))
+    reference = copy_of(fused, rng, torch.float32)
     slots = [3, 0, -1]
     for step in range(2):
         x = torch.randn(3, 32, generator=rng).to(DEVICE, dtype)
@@ -109,10 +113,8 @@ def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch
             return calls.append(_name) or _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_gated_deltanet_verify, name, spy)
-    fused, plain = tiny_layer(rng, dtype), tiny_layer(rng, dtype)
-    plain.load_state_dict(fused.state_dict())
-    for name in ("conv_state", "recurrent_state"):
-        getattr(plain, name).copy_(getattr(fused, name))
+    fused = tiny_layer(rng, dtype)
+    plain = copy_of(fused, rng, dtype)
     x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
     verify_block = ([3, -1], [9, 4], [4, 2], [True, True])
     set_policy(backend="triton", fuse_gated_deltanet_verify=True)
@@ -141,10 +143,8 @@ def test_a_conv_longer_than_the_verify_kernel_holds_keeps_the_step_path(
     ones); a 5-tap layer verifies through its torch steps, with the same result as with the
     kernel turned off."""
     verify_block = ([3, 1], [9, 4], [4, 2], [True, True])
-    layers = [tiny_layer(rng, torch.float32, conv=5) for _ in range(2)]
-    layers[1].load_state_dict(layers[0].state_dict())
-    for name in ("conv_state", "recurrent_state"):
-        getattr(layers[1], name).copy_(getattr(layers[0], name))
+    first = tiny_layer(rng, torch.float32, conv=5)
+    layers = [first, copy_of(first, rng, torch.float32)]
     x = torch.randn(6, 32, generator=rng).to(DEVICE)
     calls = []
     kernel = triton_gated_deltanet_verify.triton_gated_deltanet_verify
