@@ -1,4 +1,5 @@
-"""Spies on a speculative LLM's drafter: what it computed, recorded while it runs."""
+"""Spies on a speculative LLM's drafter (what it computed, recorded while it runs), and on the
+kernel functions a forward calls."""
 
 from __future__ import annotations
 
@@ -43,3 +44,11 @@ def spy_context_writes(llm) -> list[int]:
 
     drafter.write_context = spy
     return seen
+
+
+def count_calls(monkeypatch, module: object, name: str) -> list[int]:
+    """Wraps `module.name` for the test: the returned list grows by one at each call."""
+    calls: list[int] = []
+    fn = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or fn(*a, **k))
+    return calls

@@ -15,6 +15,7 @@ from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.runtime.host_batch import build_attention_metadata
 
 from kernel_inputs import DEVICE, assert_near, needs_triton
+from spies import count_calls
 
 pytestmark = needs_triton
 
@@ -58,13 +59,7 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     """Two decode steps of three sequences (one fresh, one padded on the spare slot): the fused
     forward equals the step path's, states included; prefill and verify forwards never call
     the kernel."""
-    calls = []
-    kernel = triton_gated_deltanet_step.triton_gated_deltanet_decode
-    monkeypatch.setattr(
-        triton_gated_deltanet_step,
-        "triton_gated_deltanet_decode",
-        lambda *a, **k: calls.append(1) or kernel(*a, **k),
-    )
+    calls = count_calls(monkeypatch, triton_gated_deltanet_step, "triton_gated_deltanet_decode")
     fused = tiny_layer(rng, dtype)
     plain = copy_of(fused, rng, dtype)
     # In bf16 both paths round (and the interpreter truncates casts), and a gated RMSNorm before
@@ -146,13 +141,7 @@ def test_a_conv_longer_than_the_verify_kernel_holds_keeps_the_step_path(
     first = tiny_layer(rng, torch.float32, conv=5)
     layers = [first, copy_of(first, rng, torch.float32)]
     x = torch.randn(6, 32, generator=rng).to(DEVICE)
-    calls = []
-    kernel = triton_gated_deltanet_verify.triton_gated_deltanet_verify
-    monkeypatch.setattr(
-        triton_gated_deltanet_verify,
-        "triton_gated_deltanet_verify",
-        lambda *a, **k: calls.append(1) or kernel(*a, **k),
-    )
+    calls = count_calls(monkeypatch, triton_gated_deltanet_verify, "triton_gated_deltanet_verify")
     outs = []
     for layer, fused in zip(layers, (True, False), strict=True):
         set_policy(backend="triton", fuse_gated_deltanet_verify=fused)
@@ -161,7 +150,7 @@ def test_a_conv_longer_than_the_verify_kernel_holds_keeps_the_step_path(
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(ValueError, match="up to 4 taps"):
         fused = layers[0]
-        kernel(
+        triton_gated_deltanet_verify.triton_gated_deltanet_verify(
             x.new_zeros(6, fused.conv_dim), x.new_zeros(6, 12), x.new_zeros(6, 72),
             fused.conv1d.weight.view(fused.conv_dim, -1), fused.A_log, fused.dt_bias,
             fused.norm.weight, 1e-6, 2, fused.conv_state, fused.recurrent_state, fused.stash_qkv,

@@ -34,6 +34,7 @@ from blockdraft.runtime.host_batch import build_attention_metadata
 
 from checkpoints import _qwen3_5_model, load_hf_target, make_qwen3_5_checkpoint
 from kernel_inputs import DEVICE, needs_triton
+from spies import count_calls
 
 CPU = torch.device("cpu")
 
@@ -302,13 +303,7 @@ def test_fused_decode_kernel_keeps_greedy_output(hybrid_target: Path, rng, monke
     """With every kernel on the Triton path, decode steps take the Gated DeltaNet layers' fused
     decode kernel and greedy output is that of the layers' step path (fused decode off); in
     the interpreter (float32 throughout) also transformers' generate."""
-    calls = []
-    kernel = triton_gated_deltanet_step.triton_gated_deltanet_decode
-    monkeypatch.setattr(
-        triton_gated_deltanet_step,
-        "triton_gated_deltanet_decode",
-        lambda *a, **k: calls.append(1) or kernel(*a, **k),
-    )
+    calls = count_calls(monkeypatch, triton_gated_deltanet_step, "triton_gated_deltanet_decode")
     prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (5, 11)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
