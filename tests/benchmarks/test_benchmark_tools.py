@@ -496,3 +496,19 @@ def test_decode_tok_s_waves_keep_the_concurrency(tmp_path) -> None:
     rate = gpu_bench.decode_tok_s(llm, [5, 6, 7], 2, 6, reps=1, waves=3)
     assert rate > 0 and calls[-1] == 3 * 2 * 6
     assert max(running) == 2 and llm.engine.scheduler.max_num_seqs == 8
+
+
+def test_gdn_kernel_bench_times_each_kernel_against_its_twin(capsys) -> None:
+    """The smoke run (tiny heads, the interpreter on the CPU): one row per kernel and batch,
+    the kernels' outputs within float32 rounding of the twins'."""
+    from benchmarks import gdn_kernel_bench
+
+    gdn_kernel_bench.main(["--tiny", "--batches", "1", "2", "--rows", "4", "--accepted", "2",
+                           "--reps", "1"])  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"])]
+    assert [(r[0], r[1]) for r in rows] == [(b, k) for b in "12" for k in ("decode", "verify",
+                                                                           "commit")]  # fmt: skip
+    assert all(float(r[-1]) < 1e-4 for r in rows), rows
+    with pytest.raises(SystemExit):
+        gdn_kernel_bench.main(["--tiny", "--rows", "4", "--accepted", "5"])

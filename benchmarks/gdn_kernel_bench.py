@@ -1,0 +1,162 @@
+"""Gated DeltaNet kernels on a hybrid target's heads, Triton against the torch twins: the decode
+step (one row a sequence), the verify forward (blocks of `--rows` rows) and the commit after it
+(`--accepted` rows kept), at each batch size, random inputs and states.
+
+On a GPU each call is timed as replays of a CUDA graph of ten calls (launch costs amortised, as
+in the engine's graphs); on the CPU (`--tiny`, a smoke run under Triton's interpreter) as plain
+calls. The outputs of the two paths are compared (max |diff|).
+
+H200, Qwen3.5-27B heads:  python -m benchmarks.gdn_kernel_bench
+CPU smoke:                TRITON_INTERPRET=1 python -m benchmarks.gdn_kernel_bench --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import hardware, print_table
+
+# (key heads, value heads, key dim, value dim, conv taps)
+HEADS = {"qwen3.5-27b": (16, 48, 128, 128, 4), "tiny": (2, 6, 16, 16, 4)}
+
+
+def time_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Microseconds a call: graph replays of ten calls on a GPU, plain calls elsewhere."""
+    fn()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=max(reps, 20)) / 10 * 1e3
+
+
+def layer_inputs(heads: tuple, rows: int, slots: int, device: torch.device, dtype: torch.dtype):
+    """Projections of `rows` rows, a layer's weights and `slots` slots of states and stashes."""
+    hk, hv, dk, dv, taps = heads
+    conv_dim = 2 * hk * dk + hv * dv
+
+    def randn(*shape, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*shape, device=device)).to(dt)
+
+    projections = (randn(rows, conv_dim), randn(rows, 2 * hv), randn(rows, hv * dv))
+    weights = (randn(conv_dim, taps, scale=0.5), randn(hv, scale=0.5), randn(hv),
+               1 + randn(dv, scale=0.2), 1e-6, hk)  # fmt: skip
+    states = randn(slots, hv, dk, dv, scale=0.1, dt=torch.float32)
+    pools = (randn(slots, taps - 1, conv_dim), states)
+    return projections, weights, pools
+
+
+def stashes(heads: tuple, slots: int, width: int, device: torch.device, dtype: torch.dtype):
+    hk, hv, dk, dv, _ = heads
+    conv_dim = 2 * hk * dk + hv * dv
+    return (
+        torch.zeros(slots, width, conv_dim, device=device, dtype=dtype),
+        torch.zeros(slots, width, conv_dim, device=device, dtype=dtype),
+        torch.zeros(slots, width, 2 * hv, device=device),
+    )
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtype, reps: int):
+    """[(kernel, torch us, triton us, max |diff|)] for one batch size."""
+    from blockdraft.kernels.gated_delta_rule import gated_deltanet_decode_torch
+    from blockdraft.kernels.triton_gated_deltanet_step import triton_gated_deltanet_decode
+    from blockdraft.kernels.triton_gated_deltanet_verify import (
+        gated_deltanet_commit_torch,
+        gated_deltanet_verify_torch,
+        triton_gated_deltanet_commit,
+        triton_gated_deltanet_verify,
+    )
+
+    slots = torch.arange(batch, device=device)
+    fresh = torch.zeros(batch, dtype=torch.bool, device=device)
+    results = []
+
+    projections, weights, pools = layer_inputs(heads, batch, batch + 1, device, dtype)
+    twin, kernel = [p.clone() for p in pools], [p.clone() for p in pools]
+    want = gated_deltanet_decode_torch(*projections, *weights, *twin, slots, fresh)
+    got = triton_gated_deltanet_decode(*projections, *weights, *kernel, slots, fresh)
+    err = max(max_diff(got, want), max_diff(kernel[1], twin[1]))
+    times = [
+        time_us(lambda f=f, p=p: f(*projections, *weights, *p, slots, fresh), device, reps)
+        for f, p in ((gated_deltanet_decode_torch, twin), (triton_gated_deltanet_decode, kernel))
+    ]
+    results.append(("decode", *times, err))
+
+    projections, weights, pools = layer_inputs(heads, batch * rows, batch + 1, device, dtype)
+    step_rows = torch.arange(batch * rows, device=device).view(batch, rows)
+    lengths = torch.full((batch,), rows, device=device)
+    block = (slots, fresh, step_rows, lengths)
+    twin = [*pools, *stashes(heads, batch + 1, rows + 1, device, dtype)]
+    kernel = [p.clone() for p in twin]
+    want = gated_deltanet_verify_torch(*projections, *weights, *twin, *block)
+    got = triton_gated_deltanet_verify(*projections, *weights, *kernel, *block)
+    times = [
+        time_us(lambda f=f, p=p: f(*projections, *weights, *p, *block), device, reps)
+        for f, p in ((gated_deltanet_verify_torch, twin), (triton_gated_deltanet_verify, kernel))
+    ]
+    results.append((f"verify {rows} rows", *times, max_diff(got, want)))
+
+    kept = torch.full((batch,), accepted, device=device)
+    hk = heads[0]
+    gated_deltanet_commit_torch(hk, *twin, slots, kept)
+    triton_gated_deltanet_commit(hk, *kernel, slots, kept)
+    err = max_diff(kernel[1], twin[1])
+    times = [
+        time_us(lambda f=f, p=p: f(hk, *p, slots, kept), device, reps)
+        for f, p in ((gated_deltanet_commit_torch, twin), (triton_gated_deltanet_commit, kernel))
+    ]
+    results.append((f"commit {accepted} rows", *times, err))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", choices=sorted(HEADS), default="qwen3.5-27b")
+    p.add_argument("--tiny", action="store_true", help="tiny heads (CPU smoke run)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--rows", type=int, default=16, help="rows of a verify block (1 + N)")
+    p.add_argument("--accepted", type=int, default=5, help="rows a commit keeps")
+    p.add_argument("--reps", type=int, default=50)
+    args = p.parse_args(argv)
+    if not 1 <= args.accepted <= args.rows:
+        p.error(f"--accepted must lie in 1..--rows ({args.rows}), not {args.accepted}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    heads = HEADS["tiny" if args.tiny else args.shape]
+    torch.manual_seed(0)
+    rows = []
+    for batch in args.batches:
+        for name, t_torch, t_triton, err in bench_batch(
+            heads, batch, args.rows, args.accepted, device, dtype, args.reps
+        ):
+            rows.append([batch, name, t_torch, t_triton, t_torch / t_triton, f"{err:.3g}"])
+    print_table(
+        f"Gated DeltaNet kernels, {'tiny' if args.tiny else args.shape} heads {heads[:4]}, conv "
+        f"{heads[4]}, {dtype}, {hardware()}",
+        ["batch", "kernel", "torch us", "triton us", "speed-up", "max |diff|"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
