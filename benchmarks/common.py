@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 import time
 from collections.abc import Iterator
@@ -245,3 +246,46 @@ def device_kernels(prof: object) -> list[object]:
     ]
     kernels = [e for e in events if not e.key.startswith(("cudaGraphLaunch", "ProfilerStep"))]
     return sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)
+
+
+def time_graph(calls: list, iters: int, reps: int) -> float:
+    """ms per call: one CUDA graph of `iters` calls cycling through `calls`, best replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and allocate outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            calls[i % len(calls)]()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / iters)
+    return best
+
+
+def time_eager(calls: list, reps: int) -> float:
+    """ms per call, eager (the twins sync on the host; on the CPU everything is eager)."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        state = {"i": 0}
+
+        def cycle() -> None:
+            calls[state["i"] % len(calls)]()
+            state["i"] += 1
+
+        return triton.testing.do_bench(cycle, warmup=5, rep=max(reps, 1) * 20)
+    calls[0]()  # compile / warm up
+    start = time.perf_counter()
+    for i in range(reps):
+        calls[i % len(calls)]()
+    return (time.perf_counter() - start) * 1e3 / reps

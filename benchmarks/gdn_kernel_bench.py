@@ -2,9 +2,10 @@
 step (one row a sequence), the verify forward (blocks of `--rows` rows) and the commit after it
 (`--accepted` rows kept), at each batch size, random inputs and states.
 
-On a GPU each call is timed as replays of a CUDA graph of ten calls (launch costs amortised, as
-in the engine's graphs); on the CPU (`--tiny`, a smoke run under Triton's interpreter) as plain
-calls. The outputs of the two paths are compared (max |diff|).
+On a GPU each kernel is timed as replays of a CUDA graph of ten calls (launch costs amortised,
+as in the engine's graphs), each twin as plain calls (they read back to the host); on the CPU
+(`--tiny`, a smoke run under Triton's interpreter) both as plain calls. The outputs of the two
+paths are compared (max |diff|).
 
 H200, Qwen3.5-27B heads:  python -m benchmarks.gdn_kernel_bench
 CPU smoke:                TRITON_INTERPRET=1 python -m benchmarks.gdn_kernel_bench --tiny
@@ -13,37 +14,22 @@ CPU smoke:                TRITON_INTERPRET=1 python -m benchmarks.gdn_kernel_ben
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import hardware, print_table
+from benchmarks.common import hardware, print_table, time_eager, time_graph
 
 # (key heads, value heads, key dim, value dim, conv taps)
 HEADS = {"qwen3.5-27b": (16, 48, 128, 128, 4), "tiny": (2, 6, 16, 16, 4)}
 
 
-def time_us(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Microseconds a call: graph replays of ten calls on a GPU, plain calls elsewhere."""
-    fn()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps * 1e6
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=max(reps, 20)) / 10 * 1e3
+def time_us(fn: Callable[[], object], graphed: bool, reps: int) -> float:
+    """Microseconds a call: replays of a CUDA graph of ten calls (`graphed`, a GPU), else plain
+    calls (the torch twins index by masks, which reads back to the host: no graph)."""
+    if graphed and torch.cuda.is_available():
+        return time_graph([fn], 10, reps) * 1e3
+    return time_eager([fn], reps) * 1e3
 
 
 def layer_inputs(heads: tuple, rows: int, slots: int, device: torch.device, dtype: torch.dtype):
@@ -97,8 +83,11 @@ def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtyp
     got = triton_gated_deltanet_decode(*projections, *weights, *kernel, slots, fresh)
     err = max(max_diff(got, want), max_diff(kernel[1], twin[1]))
     times = [
-        time_us(lambda f=f, p=p: f(*projections, *weights, *p, slots, fresh), device, reps)
-        for f, p in ((gated_deltanet_decode_torch, twin), (triton_gated_deltanet_decode, kernel))
+        time_us(lambda f=f, p=p: f(*projections, *weights, *p, slots, fresh), graphed, reps)
+        for f, p, graphed in (
+            (gated_deltanet_decode_torch, twin, False),
+            (triton_gated_deltanet_decode, kernel, True),
+        )
     ]
     results.append(("decode", *times, err))
 
@@ -111,8 +100,11 @@ def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtyp
     want = gated_deltanet_verify_torch(*projections, *weights, *twin, *block)
     got = triton_gated_deltanet_verify(*projections, *weights, *kernel, *block)
     times = [
-        time_us(lambda f=f, p=p: f(*projections, *weights, *p, *block), device, reps)
-        for f, p in ((gated_deltanet_verify_torch, twin), (triton_gated_deltanet_verify, kernel))
+        time_us(lambda f=f, p=p: f(*projections, *weights, *p, *block), graphed, reps)
+        for f, p, graphed in (
+            (gated_deltanet_verify_torch, twin, False),
+            (triton_gated_deltanet_verify, kernel, True),
+        )
     ]
     results.append((f"verify {rows} rows", *times, max_diff(got, want)))
 
@@ -122,8 +114,11 @@ def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtyp
     triton_gated_deltanet_commit(hk, *kernel, slots, kept)
     err = max_diff(kernel[1], twin[1])
     times = [
-        time_us(lambda f=f, p=p: f(hk, *p, slots, kept), device, reps)
-        for f, p in ((gated_deltanet_commit_torch, twin), (triton_gated_deltanet_commit, kernel))
+        time_us(lambda f=f, p=p: f(hk, *p, slots, kept), graphed, reps)
+        for f, p, graphed in (
+            (gated_deltanet_commit_torch, twin, False),
+            (triton_gated_deltanet_commit, kernel, True),
+        )
     ]
     results.append((f"commit {accepted} rows", *times, err))
     return results

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import hardware, print_table  # noqa: E402
+from benchmarks.common import hardware, print_table, time_graph  # noqa: E402
 
 DEVICE = "cuda"
 NUM_LAYERS = 36
@@ -152,27 +152,7 @@ def as_fp32(fused: dict) -> dict:
 def time_per_call(calls: list, iters: int, reps: int) -> float:
     """Seconds per call: a CUDA graph of `iters` calls cycling through `calls`, best of `reps`
     replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (and allocate) outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            calls[i % len(calls)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
-    del graph
-    return best
+    return time_graph(calls, iters, reps) / 1e3
 
 
 def copy_bandwidth() -> float:

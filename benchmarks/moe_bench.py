@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -34,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import hardware, print_table  # noqa: E402
+from benchmarks.common import hardware, print_table, time_eager, time_graph  # noqa: E402
 
 # (hidden, experts, top_k, intermediate, dtype)
 FULL = (2048, 128, 8, 768, torch.bfloat16)
@@ -70,49 +68,6 @@ DECODE_SWEEP = [
 def expected_distinct(num_experts: int, top_k: int, num_tokens: int) -> float:
     """Mean distinct experts among num_tokens tokens' top-k under uniform random routing."""
     return num_experts * (1 - (1 - top_k / num_experts) ** num_tokens)
-
-
-def time_graph(calls: list, iters: int, reps: int) -> float:
-    """ms per call: one CUDA graph of `iters` calls cycling through `calls`, best replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            calls[i % len(calls)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / iters)
-    return best
-
-
-def time_eager(calls: list, reps: int) -> float:
-    """ms per call, eager (the twins sync on the host; on the CPU everything is eager)."""
-    if torch.cuda.is_available():
-        import triton.testing
-
-        state = {"i": 0}
-
-        def cycle() -> None:
-            calls[state["i"] % len(calls)]()
-            state["i"] += 1
-
-        return triton.testing.do_bench(cycle, warmup=5, rep=max(reps, 1) * 20)
-    calls[0]()  # compile / warm up
-    start = time.perf_counter()
-    for i in range(reps):
-        calls[i % len(calls)]()
-    return (time.perf_counter() - start) * 1e3 / reps
 
 
 @dataclass
