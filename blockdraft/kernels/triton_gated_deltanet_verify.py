@@ -112,6 +112,68 @@ def _conv_of_window(
 
 
 @triton.jit
+def _row_inputs(
+    qkv_ptr,  # [N, conv_dim] row stride stride_qkv
+    stride_qkv,
+    ba_ptr,  # [N, 2 * Hv] row stride stride_ba
+    stride_ba,
+    rows_ptr,  # this sequence's [T] flat rows
+    t,  # the step
+    valid,  # scalar: the step exists (else zeros)
+    q_ch,  # [BK]
+    k_ch,  # [BK]
+    v_ch,  # [BV]
+    mask_k,
+    mask_v,
+    head,
+    Hv,
+):
+    """Step t's flat row, its conv inputs on the q, k and v channels, and its b and a."""
+    row = tl.load(rows_ptr + t, mask=valid, other=0)
+    x_ptr = qkv_ptr + row * stride_qkv
+    xq = tl.load(x_ptr + q_ch, mask=mask_k & valid, other=0.0)
+    xk = tl.load(x_ptr + k_ch, mask=mask_k & valid, other=0.0)
+    xv = tl.load(x_ptr + v_ch, mask=mask_v & valid, other=0.0)
+    b = tl.load(ba_ptr + row * stride_ba + head, mask=valid, other=0.0)
+    a = tl.load(ba_ptr + row * stride_ba + Hv + head, mask=valid, other=0.0)
+    return row, xq, xk, xv, b, a
+
+
+@triton.jit
+def _stash_row(
+    x_stash_ptr,  # this step's stash row of conv inputs [conv_dim]
+    mixed_stash_ptr,  # and of conv outputs
+    x,  # [B] the step's conv inputs on channels ch
+    mixed,  # [B] their conv outputs
+    ch,  # [B]
+    mask,  # [B]
+):
+    tl.store(x_stash_ptr + ch, x.to(x_stash_ptr.dtype.element_ty), mask=mask)
+    tl.store(mixed_stash_ptr + ch, mixed.to(mixed_stash_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _kept_row(
+    mixed_ptr,  # a stash row of conv outputs [conv_dim]
+    gb_ptr,  # its g (beta Hv further on), this value head's
+    valid,  # scalar: the row is kept (else zeros)
+    q_ch,  # [BK]
+    k_ch,  # [BK]
+    v_ch,  # [BV]
+    mask_k,
+    mask_v,
+    Hv,
+):
+    """A kept row's q, k, v, g and beta, as the commit replays them."""
+    q = tl.load(mixed_ptr + q_ch, mask=mask_k & valid, other=0.0)
+    k = tl.load(mixed_ptr + k_ch, mask=mask_k & valid, other=0.0)
+    v = tl.load(mixed_ptr + v_ch, mask=mask_v & valid, other=0.0)
+    g = tl.load(gb_ptr, mask=valid, other=0.0)
+    beta = tl.load(gb_ptr + Hv, mask=valid, other=0.0)
+    return q, k, v, g, beta
+
+
+@triton.jit
 def _gated_norm_rows(
     out_ptr,  # [N, Hv * Dv] contiguous: un-normed core in, gated-normed out
     z_ptr,  # [N, Hv * Dv] row stride stride_z
@@ -233,22 +295,16 @@ def _gated_deltanet_verify_kernel(
                                                             mask_k, keep, conv_dim, K)  # fmt: skip
     vp1, vp2, vp3, vw0, vw1, vw2, vw3 = _conv_window_start(conv_slot_ptr, conv_weight_ptr, v_ch,
                                                             mask_v, keep, conv_dim, K)  # fmt: skip
-    row = tl.load(seq_rows_ptr)
-    xq = tl.load(qkv_ptr + row * stride_qkv + q_ch, mask=mask_k, other=0.0)
-    xk = tl.load(qkv_ptr + row * stride_qkv + k_ch, mask=mask_k, other=0.0)
-    xv = tl.load(qkv_ptr + row * stride_qkv + v_ch, mask=mask_v, other=0.0)
-    b = tl.load(ba_ptr + row * stride_ba + head)
-    a = tl.load(ba_ptr + row * stride_ba + Hv + head)
+    row, xq, xk, xv, b, a = _row_inputs(qkv_ptr, stride_qkv, ba_ptr, stride_ba, seq_rows_ptr, 0,
+                                        length > 0, q_ch, k_ch, v_ch, mask_k, mask_v, head,
+                                        Hv)  # fmt: skip
     for t in range(0, length):
         # The next row's inputs are loaded now and used a row later: their latency hides
         # behind this row's recurrence instead of lying on the serial path.
-        more = t + 1 < length
-        next_row = tl.load(seq_rows_ptr + t + 1, mask=more, other=0)
-        next_xq = tl.load(qkv_ptr + next_row * stride_qkv + q_ch, mask=mask_k & more, other=0.0)
-        next_xk = tl.load(qkv_ptr + next_row * stride_qkv + k_ch, mask=mask_k & more, other=0.0)
-        next_xv = tl.load(qkv_ptr + next_row * stride_qkv + v_ch, mask=mask_v & more, other=0.0)
-        next_b = tl.load(ba_ptr + next_row * stride_ba + head, mask=more, other=0.0)
-        next_a = tl.load(ba_ptr + next_row * stride_ba + Hv + head, mask=more, other=0.0)
+        next_row, next_xq, next_xk, next_xv, next_b, next_a = _row_inputs(
+            qkv_ptr, stride_qkv, ba_ptr, stride_ba, seq_rows_ptr, t + 1, t + 1 < length, q_ch,
+            k_ch, v_ch, mask_k, mask_v, head, Hv,
+        )  # fmt: skip
 
         sq, sk, sv = xq.to(state_ty), xk.to(state_ty), xv.to(state_ty)
         q = _conv_of_window(sq, qp1, qp2, qp3, qw0, qw1, qw2, qw3, in_ty, K)
@@ -256,12 +312,9 @@ def _gated_deltanet_verify_kernel(
         v = _conv_of_window(sv, vp1, vp2, vp3, vw0, vw1, vw2, vw3, in_ty, K)
         x_stash_ptr = stash_qkv_ptr + (slot * W + t) * conv_dim
         mixed_stash_ptr = stash_mixed_ptr + (slot * W + t) * conv_dim
-        tl.store(x_stash_ptr + q_ch, xq.to(stash_qkv_ptr.dtype.element_ty), mask=stashes_qk)
-        tl.store(x_stash_ptr + k_ch, xk.to(stash_qkv_ptr.dtype.element_ty), mask=stashes_qk)
-        tl.store(x_stash_ptr + v_ch, xv.to(stash_qkv_ptr.dtype.element_ty), mask=mask_v)
-        tl.store(mixed_stash_ptr + q_ch, q.to(stash_mixed_ptr.dtype.element_ty), mask=stashes_qk)
-        tl.store(mixed_stash_ptr + k_ch, k.to(stash_mixed_ptr.dtype.element_ty), mask=stashes_qk)
-        tl.store(mixed_stash_ptr + v_ch, v.to(stash_mixed_ptr.dtype.element_ty), mask=mask_v)
+        _stash_row(x_stash_ptr, mixed_stash_ptr, xq, q, q_ch, stashes_qk)
+        _stash_row(x_stash_ptr, mixed_stash_ptr, xk, k, k_ch, stashes_qk)
+        _stash_row(x_stash_ptr, mixed_stash_ptr, xv, v, v_ch, mask_v)
 
         beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
         a_f = a.to(tl.float32) + dt_bias
@@ -369,26 +422,18 @@ def _gated_deltanet_commit_kernel(
     state = tl.load(state_ptrs, mask=mask, other=0.0)
     mixed_ptr = stash_mixed_ptr + slot * W * conv_dim
     gb_ptr = stash_gb_ptr + slot * W * 2 * Hv + head
-    some = length > 0
-    q = tl.load(mixed_ptr + q_ch, mask=mask_k & some, other=0.0)
-    k = tl.load(mixed_ptr + k_ch, mask=mask_k & some, other=0.0)
-    v = tl.load(mixed_ptr + v_ch, mask=mask_v & some, other=0.0)
-    g = tl.load(gb_ptr, mask=some, other=0.0)
-    beta = tl.load(gb_ptr + Hv, mask=some, other=0.0)
+    taken = length > 0
+    q, k, v, g, beta = _kept_row(mixed_ptr, gb_ptr, taken, q_ch, k_ch, v_ch, mask_k, mask_v, Hv)
     for t in range(0, length):
         # The next row loads now and is used a row later (see the verify kernel).
-        more = t + 1 < length
         mixed_ptr += conv_dim
         gb_ptr += 2 * Hv
-        next_q = tl.load(mixed_ptr + q_ch, mask=mask_k & more, other=0.0)
-        next_k = tl.load(mixed_ptr + k_ch, mask=mask_k & more, other=0.0)
-        next_v = tl.load(mixed_ptr + v_ch, mask=mask_v & more, other=0.0)
-        next_g = tl.load(gb_ptr, mask=more, other=0.0)
-        next_beta = tl.load(gb_ptr + Hv, mask=more, other=0.0)
+        next_q, next_k, next_v, next_g, next_beta = _kept_row(
+            mixed_ptr, gb_ptr, t + 1 < length, q_ch, k_ch, v_ch, mask_k, mask_v, Hv
+        )
         state, _ = _delta_step(state, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32),
                                tl.exp(g), beta, scale, eps)  # fmt: skip
         q, k, v, g, beta = next_q, next_k, next_v, next_g, next_beta
-    taken = length > 0
     tl.store(state_ptrs, state, mask=mask & taken)
 
     conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
