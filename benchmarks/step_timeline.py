@@ -77,6 +77,7 @@ def summarize(
         count, total = by_kernel.get(e["name"][:48], (0, 0.0))
         by_kernel[e["name"][:48]] = (count + 1, total + dur)
         lines.append(f"{start - lo:10.1f} {dur:8.2f} gap {gap:7.2f} {e['name'][:100]}")
+    largest = sorted(gap_list, reverse=True)
     summary = {
         "span_ms": (hi - lo) / n / 1e3,
         "busy_ms": busy / n / 1e3,
@@ -84,10 +85,10 @@ def summarize(
         "events_per_step": len(middle) / n,
         "kernels": {k: {"per_step": c / n, "ms": d / n / 1e3}
                     for k, (c, d) in sorted(by_kernel.items(), key=lambda kv: -kv[1][1])},
-        "largest_gaps_us": [[round(g, 1), n] for g, n, *_ in sorted(gap_list, reverse=True)[:8]],
+        "largest_gaps_us": [[round(g, 1), n] for g, n, *_ in largest[:8]],
         "host_in_gaps": [
             [round(g, 1), name, host_calls_in(host or [], a, b)]
-            for g, name, a, b in sorted(gap_list, reverse=True)[:4]
+            for g, name, a, b in largest[:4]
             if g > 0
         ],
     }  # fmt: skip
