@@ -66,7 +66,7 @@ def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 OptTensor = torch.Tensor | None
-BF16_TOL = dict(atol=3e-2, rtol=3e-2)  # a bf16 ulp or two (the interpreter truncates casts)
+BF16_TOL = dict(atol=3e-2, rtol=3e-2)  # a bf16 ulp or two
 
 
 def tolerance(dtype: torch.dtype) -> dict:
@@ -77,9 +77,9 @@ def assert_near(
     got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, bf16_max: float, bf16_mean: float
 ) -> None:
     """Tight in float32. With bf16 inputs, a kernel that rounds intermediates (Gated DeltaNet's
-    conv outputs, beta, core) flips one of their ulps now and then, and the interpreter
-    truncates its casts (errors of one sign that add up through norms): bounds on the largest
-    and on the mean error, which wrong operands or misplaced roundings exceed."""
+    conv outputs, beta, core) flips one of their ulps now and then, which a norm can blow up:
+    bounds on the largest and on the mean error, which wrong operands or misplaced roundings
+    exceed."""
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, **tolerance(dtype))
         return

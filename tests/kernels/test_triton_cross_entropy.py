@@ -34,8 +34,7 @@ DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 
 # Tolerances on the hidden gradient, relative to its largest entry: the kernel rounds
 # w * (softmax - onehot) to the logits dtype before the grad matmul, the twin rounds the same
-# values times the upstream scale. The interpreter may truncate rather than round float casts
-# (bf16 especially), so the 16-bit tolerances allow a couple of ulps.
+# values times the upstream scale, so the 16-bit tolerances allow a couple of ulps.
 GRAD_RTOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 

@@ -97,7 +97,7 @@ def test_verify_matches_twin(
         kept = [p[slot, :length] for p in got_pools[2:]]
         assert torch.equal(kept[0], want_pools[2][slot, :length])  # copies of the inputs
         # Conv outputs: in bf16 now and then an ulp or two apart (rounded twice, the sum and
-        # the SiLU; the interpreter truncates its casts).
+        # the SiLU).
         ulps = tolerance(dtype) if dtype == torch.float32 else dict(atol=2**-6, rtol=2**-6)
         torch.testing.assert_close(kept[1], want_pools[3][slot, :length], **ulps)
         beta_ulp = 1e-5 if dtype == torch.float32 else 2**-8  # beta < 1 is rounded to bf16

@@ -59,7 +59,7 @@ def test_offset_rms_norm_rounds_once_in_bfloat16(rng) -> None:
     exact = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + weight.float())
     got = triton_rms_norm(x, weight, 1e-6, offset=True)
     assert got.dtype == torch.bfloat16
-    # one bfloat16 ulp: the interpreter's float32 -> bfloat16 cast truncates
+    # within a bfloat16 ulp: the product is rounded once
     torch.testing.assert_close(got.float(), exact, atol=0, rtol=2**-7)
     llama_order = rms_norm_torch(x, 1 + weight, 1e-6)
     assert not torch.equal(llama_order, rms_norm_torch(x, weight, 1e-6, offset=True))

@@ -62,10 +62,9 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     calls = count_calls(monkeypatch, triton_gated_deltanet_step, "triton_gated_deltanet_decode")
     fused = tiny_layer(rng, dtype)
     plain = copy_of(fused, rng, dtype)
-    # In bf16 both paths round (and the interpreter truncates casts), and a gated RMSNorm before
-    # out_proj can blow one step's rounding up: each is held to a float32 run of the same layer,
-    # the fused one within a few times the step path's error (its casts truncate under the
-    # interpreter: 1.2-3.3x seen); a wrong operand is an order of magnitude off.
+    # In bf16 both paths round, and a gated RMSNorm before out_proj can blow one step's rounding
+    # up (a near-cancelling head): each is held to a float32 run of the same layer, the fused one
+    # within a few times the step path's error; a wrong operand is an order of magnitude off.
     reference = copy_of(fused, rng, torch.float32)
     slots = [3, 0, -1]
     for step in range(2):

@@ -206,8 +206,8 @@ def test_decoder_layers_fused_residual_norm(
     if dtype == torch.float32:
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=1e-4)
     else:
-        # bf16: another rounding of rstd (and, in the interpreter, truncating casts to bf16)
-        # moves values by a bf16 ulp, which the following layers carry on.
+        # bf16: another rounding of rstd moves values by a bf16 ulp, which the following
+        # layers carry on.
         torch.testing.assert_close(got, expected, atol=3e-2, rtol=3e-2)
 
 
