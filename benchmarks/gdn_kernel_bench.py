@@ -1,6 +1,7 @@
 """Gated DeltaNet kernels on a hybrid target's heads, Triton against the torch twins: the decode
-step (one row a sequence), the verify forward (blocks of `--rows` rows) and the commit after it
-(`--accepted` rows kept), at each batch size, random inputs and states.
+step (one row a sequence), the verify forward (blocks of `--rows` rows; the row kernel, and
+the chunked form at each `--chunked-block-v`) and the commit after it (`--accepted` rows
+kept), at each batch size, random inputs and states.
 
 On a GPU each kernel is timed as replays of a CUDA graph of ten calls (launch costs amortised,
 as in the engine's graphs), each twin as plain calls (they read back to the host); on the CPU
@@ -14,6 +15,7 @@ CPU smoke:                TRITON_INTERPRET=1 python -m benchmarks.gdn_kernel_ben
 from __future__ import annotations
 
 import argparse
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -62,7 +64,17 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtype, reps: int):
+def bench_batch(
+    heads: tuple,
+    batch: int,
+    rows: int,
+    accepted: int,
+    chunked_block_v: list[int],
+    chunked_warps: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+) -> list[tuple]:
     """[(kernel, torch us, triton us, max |diff|)] for one batch size."""
     from blockdraft.kernels.gated_delta_rule import gated_deltanet_decode_torch
     from blockdraft.kernels.triton_gated_deltanet_step import triton_gated_deltanet_decode
@@ -71,6 +83,9 @@ def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtyp
         gated_deltanet_verify_torch,
         triton_gated_deltanet_commit,
         triton_gated_deltanet_verify,
+    )
+    from blockdraft.kernels.triton_gated_deltanet_verify_chunk import (
+        triton_gated_deltanet_verify_chunked,
     )
 
     slots = torch.arange(batch, device=device)
@@ -107,6 +122,18 @@ def bench_batch(heads: tuple, batch: int, rows: int, accepted: int, device, dtyp
         )
     ]
     results.append((f"verify {rows} rows", *times, max_diff(got, want)))
+    for block_v, warps in itertools.product(chunked_block_v, chunked_warps):
+        chunked = [p.clone() for p in twin]
+
+        def verify_chunked(p=chunked, block_v=block_v, warps=warps) -> torch.Tensor:
+            return triton_gated_deltanet_verify_chunked(
+                *projections, *weights, *p, *block, block_v=block_v, num_warps=warps
+            )
+
+        err = max_diff(verify_chunked(), want)
+        times[1] = time_us(verify_chunked, True, reps)
+        name = f"verify {rows} rows, chunked, {block_v} value dims, {warps} warps"
+        results.append((name, *times, err))
 
     kept = torch.full((batch,), accepted, device=device)
     hk = heads[0]
@@ -131,6 +158,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--rows", type=int, default=16, help="rows of a verify block (1 + N)")
     p.add_argument("--accepted", type=int, default=5, help="rows a commit keeps")
+    p.add_argument(
+        "--chunked-block-v",
+        type=int,
+        nargs="*",
+        default=[32, 64],
+        help="value dims a program of the chunked verify holds (one row each)",
+    )
+    p.add_argument("--chunked-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
     if not 1 <= args.accepted <= args.rows:
@@ -142,7 +177,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for batch in args.batches:
         for name, t_torch, t_triton, err in bench_batch(
-            heads, batch, args.rows, args.accepted, device, dtype, args.reps
+            heads,
+            batch,
+            args.rows,
+            args.accepted,
+            args.chunked_block_v,
+            args.chunked_warps,
+            device,
+            dtype,
+            args.reps,
         ):
             rows.append([batch, name, t_torch, t_triton, t_torch / t_triton, f"{err:.3g}"])
     print_table(

@@ -508,6 +508,13 @@ def main() -> None:
         "state commit in one more (KernelPolicy.fuse_gated_deltanet_verify)",
     )
     p.add_argument(
+        "--chunked-gdn-verify",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hybrid targets: that verify kernel in the delta rule's chunked form "
+        "(KernelPolicy.chunked_gated_deltanet_verify)",
+    )
+    p.add_argument(
         "--async-decode",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -535,6 +542,7 @@ def main() -> None:
         "pdl_max_query_len": args.pdl_max_query_len,
         "fuse_gated_deltanet_decode": args.fuse_gdn_decode,
         "fuse_gated_deltanet_verify": args.fuse_gdn_verify,
+        "chunked_gated_deltanet_verify": args.chunked_gdn_verify,
     }  # None: the default policy's
     policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}

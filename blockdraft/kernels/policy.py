@@ -54,6 +54,10 @@ class KernelPolicy:
     # mixer in one kernel, and the state commit after them in one more per layer (Qwen3.5-27B
     # shapes, DFlash step at batch 1 / 8: 34.9 / 48.0 -> 25.5 / 35.1 ms).
     fuse_gated_deltanet_verify: bool = True
+    # That verify kernel in the delta rule's chunked form (the block's rows as a few matrix
+    # products, `triton_gated_deltanet_verify_chunked`) instead of a serial pass over the rows.
+    # Off until it is timed against the row kernel on a GPU (`benchmarks/gdn_kernel_bench.py`).
+    chunked_gated_deltanet_verify: bool = False
     # A Gated DeltaNet layer's prefill chunks run the chunked rule in two Triton launches
     # (`triton_chunk_gated_delta_rule`) rather than its torch twin, a loop over the chunks'
     # sequences.

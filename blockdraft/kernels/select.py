@@ -173,13 +173,23 @@ def get_gated_deltanet_verify_backend(
 ) -> GatedDeltaNetVerifyFn | None:
     """`fn(qkv, b_a, z, conv_weight, a_log, dt_bias, norm_weight, norm_eps, num_k_heads,
     conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, fresh, rows, lengths,
-    counters) -> out`: a Gated DeltaNet verify forward's token mixer in one Triton launch; None
+    counters) -> out`: a Gated DeltaNet verify forward's token mixer in one Triton launch (the
+    row kernel, or the chunked form with `chunked_gated_deltanet_verify`); None
     off the Triton path, where the layer's own torch steps (`gated_deltanet_verify_torch` is
     what they compute) run."""
     if use_triton(device):
-        from blockdraft.kernels import triton_gated_deltanet_verify
+        from blockdraft.kernels import (
+            triton_gated_deltanet_verify,
+            triton_gated_deltanet_verify_chunk,
+        )
 
-        return triton_gated_deltanet_verify.triton_gated_deltanet_verify
+        def verify(*args: object, **kwargs: object) -> torch.Tensor:
+            if current_kernel_policy().chunked_gated_deltanet_verify:
+                chunk = triton_gated_deltanet_verify_chunk
+                return chunk.triton_gated_deltanet_verify_chunked(*args, **kwargs)
+            return triton_gated_deltanet_verify.triton_gated_deltanet_verify(*args, **kwargs)
+
+        return verify
     return None
 
 

@@ -174,6 +174,19 @@ def _kept_row(
 
 
 @triton.jit
+def _gate_inputs(
+    b,  # a step's b (or [BT] steps'), the projection's dtype
+    a,  # and a
+    neg_a,  # float32 -exp(A_log) of the head
+    dt_bias,  # float32
+):
+    """(g, beta) in float32: the log decay and the sigmoid of b rounded to b's dtype."""
+    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+    a_f = a.to(tl.float32) + dt_bias
+    return neg_a * tl.where(a_f > 20.0, a_f, tl.log(1.0 + tl.exp(a_f))), beta
+
+
+@triton.jit
 def _gated_norm_rows(
     out_ptr,  # [N, Hv * Dv] contiguous: un-normed core in, gated-normed out
     z_ptr,  # [N, Hv * Dv] row stride stride_z
@@ -210,6 +223,42 @@ def _gated_norm_rows(
     y = y * (gate / (1.0 + tl.exp(-gate)))
     tl.debug_barrier()  # every copy of the un-normed rows is read before they are replaced
     tl.store(ptrs, y.to(out_ty), mask=mask)
+
+
+@triton.jit
+def _gated_norm_when_done(
+    out_ptr,  # [N, Hv * Dv] contiguous: un-normed core in, gated-normed out
+    z_ptr,  # [N, Hv * Dv] row stride stride_z
+    norm_weight_ptr,  # [Dv]
+    counters_ptr,  # [>= S * Hv] int32 zeros; left as zeros
+    rows_ptr,  # this sequence's [T] flat rows
+    seq,
+    length,
+    head,
+    stride_z,
+    Hv,
+    Dv,
+    norm_eps,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+    SPLIT: tl.constexpr,  # more than one value block a head
+    ROUND_PRODUCT: tl.constexpr,
+):
+    """The gated RMSNorm of the head's rows, by the last of its value blocks' programs to
+    finish storing its un-normed output (an atomic counter per (sequence, value head), reset
+    by it)."""
+    # Every thread's stores come before the arrival, which releases them to the last program.
+    tl.debug_barrier()
+    if SPLIT:
+        counter = counters_ptr + seq * Hv + head
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
+            tl.store(counter, 0)  # ready for the next launch
+            tl.debug_barrier()  # the arrival's acquire before every thread's loads
+            _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, rows_ptr, length, head,
+                             stride_z, Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
+    else:
+        _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, rows_ptr, length, head, stride_z,
+                         Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
 
 
 @triton.jit
@@ -316,9 +365,7 @@ def _gated_deltanet_verify_kernel(
         _stash_row(x_stash_ptr, mixed_stash_ptr, xk, k, k_ch, stashes_qk)
         _stash_row(x_stash_ptr, mixed_stash_ptr, xv, v, v_ch, mask_v)
 
-        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
-        a_f = a.to(tl.float32) + dt_bias
-        g = neg_a * tl.where(a_f > 20.0, a_f, tl.log(1.0 + tl.exp(a_f)))
+        g, beta = _gate_inputs(b, a, neg_a, dt_bias)
         gb_ptr = stash_gb_ptr + (slot * W + t) * 2 * Hv + head
         tl.store(gb_ptr, g, mask=block == 0)
         tl.store(gb_ptr + Hv, beta, mask=block == 0)
@@ -334,18 +381,9 @@ def _gated_deltanet_verify_kernel(
         vp3, vp2, vp1 = vp2, vp1, sv
         row, xq, xk, xv, b, a = next_row, next_xq, next_xk, next_xv, next_b, next_a
 
-    # Every thread's stores come before the arrival, which releases them to the last program.
-    tl.debug_barrier()
-    if SPLIT:
-        counter = counters_ptr + seq * Hv + head
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == tl.num_programs(2) - 1:
-            tl.store(counter, 0)  # ready for the next launch
-            tl.debug_barrier()  # the arrival's acquire before every thread's loads
-            _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, seq_rows_ptr, length, head,
-                             stride_z, Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
-    else:
-        _gated_norm_rows(out_ptr, z_ptr, norm_weight_ptr, seq_rows_ptr, length, head, stride_z,
-                         Hv, Dv, norm_eps, BT, BD, ROUND_PRODUCT)  # fmt: skip
+    _gated_norm_when_done(out_ptr, z_ptr, norm_weight_ptr, counters_ptr, seq_rows_ptr, seq,
+                          length, head, stride_z, Hv, Dv, norm_eps, BT, BD, SPLIT,
+                          ROUND_PRODUCT)  # fmt: skip
 
 
 @triton.jit
@@ -455,6 +493,15 @@ def _block_v(dv: int, block_v: int | None) -> int:
     return block_v or min(triton.next_power_of_2(dv), 32)
 
 
+def _check_verify_shapes(rows: int, width: int, taps: int) -> None:
+    if rows > width:
+        raise ValueError(f"verify blocks of {rows} rows exceed the stash's {width}")
+    if taps > MAX_CONV_TAPS:
+        raise ValueError(
+            f"the verify kernels hold conv windows of up to {MAX_CONV_TAPS} taps, not {taps}"
+        )
+
+
 def triton_gated_deltanet_verify(
     qkv: torch.Tensor,  # [N, conv_dim] the forward's conv inputs: q | k | v channels
     b_a: torch.Tensor,  # [N, 2 * Hv]: b then a
@@ -483,13 +530,7 @@ def triton_gated_deltanet_verify(
     s, t = rows.shape
     hv, dk, dv = state_pool.shape[1:]
     width = stash_qkv.shape[1]
-    if t > width:
-        raise ValueError(f"verify blocks of {t} rows exceed the stash's {width}")
-    if conv_weight.shape[-1] > MAX_CONV_TAPS:
-        raise ValueError(
-            f"the verify kernel holds conv windows of up to {MAX_CONV_TAPS} taps, not "
-            f"{conv_weight.shape[-1]}"
-        )
+    _check_verify_shapes(t, width, conv_weight.shape[-1])
     out = torch.empty(n, hv * dv, dtype=qkv.dtype, device=qkv.device)
     if s == 0:
         return out

@@ -499,16 +499,19 @@ def test_decode_tok_s_waves_keep_the_concurrency(tmp_path) -> None:
 
 
 def test_gdn_kernel_bench_times_each_kernel_against_its_twin(capsys) -> None:
-    """The smoke run (tiny heads, the interpreter on the CPU): one row per kernel and batch,
-    the kernels' outputs within float32 rounding of the twins'."""
+    """The smoke run (tiny heads, the interpreter on the CPU): one row per kernel and batch
+    (the chunked verify once per value block), the kernels' outputs within float32 rounding
+    of the twins'."""
     from benchmarks import gdn_kernel_bench
 
     gdn_kernel_bench.main(["--tiny", "--batches", "1", "2", "--rows", "4", "--accepted", "2",
+                           "--chunked-block-v", "16", "--chunked-warps", "4",
                            "--reps", "1"])  # fmt: skip
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"])]
-    assert [(r[0], r[1]) for r in rows] == [(b, k) for b in "12" for k in ("decode", "verify",
-                                                                           "commit")]  # fmt: skip
+    kernels = ["decode", "verify 4 rows", "verify 4 rows, chunked, 16", "commit 2 rows"]
+    assert [r[0] for r in rows] == [b for b in "12" for _ in kernels]
+    assert all(" ".join(r[1:]).startswith(k) for r, k in zip(rows, kernels * 2, strict=True))
     assert all(float(r[-1]) < 1e-4 for r in rows), rows
     with pytest.raises(SystemExit):
         gdn_kernel_bench.main(["--tiny", "--rows", "4", "--accepted", "5"])

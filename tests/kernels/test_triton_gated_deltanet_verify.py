@@ -23,6 +23,9 @@ from blockdraft.kernels.triton_gated_deltanet_verify import (
     triton_gated_deltanet_commit,
     triton_gated_deltanet_verify,
 )
+from blockdraft.kernels.triton_gated_deltanet_verify_chunk import (
+    triton_gated_deltanet_verify_chunked,
+)
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 
 from kernel_inputs import DEVICE, assert_near, needs_triton, randn, tolerance
@@ -31,6 +34,11 @@ SLOTS = [3, 0, -1]  # the third a padded sequence on the spare slot
 FRESH = [False, True, False]
 LENGTHS = [4, 2, 4]  # the second shorter than the batch's widest
 NUM_SLOTS, WIDTH = 6, 5  # stash rows: one more than the widest block
+# The verify kernel's two forms: a serial pass over the rows, the chunked form's products.
+VERIFY_KERNELS = [
+    pytest.param(triton_gated_deltanet_verify, id="rows"),
+    pytest.param(triton_gated_deltanet_verify_chunked, id="chunked"),
+]
 
 
 def step_batch(lengths: list[int]) -> StepBatch:
@@ -45,15 +53,17 @@ def step_batch(lengths: list[int]) -> StepBatch:
     return meta.step
 
 
-def pools(rng, hv: int, dk: int, dv: int, conv_dim: int, taps: int, dtype: torch.dtype) -> list:
+def pools(
+    rng, hv: int, dk: int, dv: int, conv_dim: int, taps: int, dtype: torch.dtype, width: int = WIDTH
+) -> list:
     """Random conv and recurrent state pools and stashes (conv inputs, conv outputs, g|beta)."""
     return [
         randn(rng, NUM_SLOTS, taps - 1, conv_dim, dtype=dtype),
         randn(rng, NUM_SLOTS, hv, dk, dv),
-        randn(rng, NUM_SLOTS, WIDTH, conv_dim, dtype=dtype),
-        randn(rng, NUM_SLOTS, WIDTH, conv_dim, dtype=dtype),
+        randn(rng, NUM_SLOTS, width, conv_dim, dtype=dtype),
+        randn(rng, NUM_SLOTS, width, conv_dim, dtype=dtype),
         torch.cat(
-            (-randn(rng, NUM_SLOTS, WIDTH, hv).abs(), randn(rng, NUM_SLOTS, WIDTH, hv).sigmoid()),
+            (-randn(rng, NUM_SLOTS, width, hv).abs(), randn(rng, NUM_SLOTS, width, hv).sigmoid()),
             -1,
         ),
     ]
@@ -68,13 +78,14 @@ def tensor(values: list) -> torch.Tensor:
 
 
 @needs_triton
+@pytest.mark.parametrize("verify", VERIFY_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "heads, dims, taps, block_v",
     [((2, 4), (12, 40), 4, None), ((1, 2), (16, 24), 3, 8), ((2, 2), (8, 8), 4, None)],
 )
 def test_verify_matches_twin(
-    rng, dtype: torch.dtype, heads: tuple, dims: tuple, taps: int, block_v: int | None
+    rng, verify, dtype: torch.dtype, heads: tuple, dims: tuple, taps: int, block_v: int | None
 ) -> None:
     (hk, hv), (dk, dv) = heads, dims
     conv_dim = 2 * hk * dk + hv * dv
@@ -88,7 +99,7 @@ def test_verify_matches_twin(
     args = (qkv, b_a, z, *params[:3], params[3], 1e-6, hk)
     rows = (slots, fresh, step.rows, step.lengths)
     want = gated_deltanet_verify_torch(*args, *want_pools, *rows)
-    got = triton_gated_deltanet_verify(*args, *got_pools, *rows, counters, block_v=block_v)
+    got = verify(*args, *got_pools, *rows, counters, block_v=block_v)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert_near(got, want, dtype, bf16_max=1.0, bf16_mean=0.015)
     assert not counters.any()
@@ -133,14 +144,52 @@ def test_commit_matches_twin(
         assert torch.equal(got_stash, stash)
 
 
+@needs_triton
+@pytest.mark.parametrize("lengths", [[16, 11], [20, 3]])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_chunked_verify_of_long_blocks(rng, lengths: list[int], aligned: bool) -> None:
+    """Blocks of a whole 16-row tile: the chunked form inverts I + A by repeated squaring,
+    whose high powers only show past 8 rows and where keys align (`aligned`: every row's key
+    inputs alike, beta ~1, no decay: A^8 grows to thousands, and the products must cancel back
+    to O(1)); its outputs and stash match the twin's and the row kernel's. Wider blocks take
+    the row kernel."""
+    hk, hv, dk, dv, taps, dtype = 1, 2, 16, 16, 4, torch.float32
+    conv_dim = 2 * hk * dk + hv * dv
+    params = (*layer_params(rng, hk, hv, dk, dv, taps, dtype), 1e-6, hk)
+    start = pools(rng, hv, dk, dv, conv_dim, taps, dtype, width=max(lengths) + 1)
+    slots, fresh = tensor([1, 4]), tensor([False, True])
+    qkv, b_a, z = step_inputs(rng, sum(lengths), hv, dv, conv_dim, dtype)
+    if aligned:
+        qkv[:, hk * dk : 2 * hk * dk] = randn(rng, hk * dk)  # the same key inputs every row
+        b_a[:, :hv], b_a[:, hv:] = 8.0, -12.0  # beta ~1, g ~0
+    step = step_batch(lengths)
+    block = (slots, fresh, step.rows, step.lengths)
+    outs, stashes = [], []
+    for verify in (gated_deltanet_verify_torch, triton_gated_deltanet_verify,
+                   triton_gated_deltanet_verify_chunked):  # fmt: skip
+        verified = clones(start)
+        outs.append(verify(qkv, b_a, z, *params, *verified, *block))
+        stashes.append(verified[2:])
+    # Aligned keys: the squarings' float32 sums cancel thousands down to ones (~4e-4 relative).
+    tol = dict(atol=2e-3, rtol=2e-3) if aligned else dict(atol=1e-4, rtol=1e-4)
+    for out, stash in zip(outs[1:], stashes[1:], strict=True):
+        torch.testing.assert_close(out, outs[0], **tol)
+        for slot, length in zip(slots.tolist(), lengths, strict=True):
+            for got, want in zip(stash, stashes[0], strict=True):
+                torch.testing.assert_close(got[slot, :length], want[slot, :length])
+
+
 @pytest.mark.parametrize(
     "kernels",
     [
-        pytest.param(False, marks=pytest.mark.skipif(DEVICE.type != "cpu", reason="on the CPU")),
-        pytest.param(True, marks=needs_triton),
+        pytest.param(
+            None, marks=pytest.mark.skipif(DEVICE.type != "cpu", reason="on the CPU"), id="twins"
+        ),
+        pytest.param(triton_gated_deltanet_verify, marks=needs_triton, id="rows"),
+        pytest.param(triton_gated_deltanet_verify_chunked, marks=needs_triton, id="chunked"),
     ],
 )
-def test_verify_then_commit_is_decoding(rng, kernels: bool) -> None:
+def test_verify_then_commit_is_decoding(rng, kernels) -> None:
     """Two verify blocks (4 and 3 rows); the commit at k accepted drafts of each: the states
     and the outputs of their first k + 1 rows are those of decoding the rows one by one (the
     decode twin), bit for bit through the twins in float32, within tolerance through the
@@ -152,7 +201,7 @@ def test_verify_then_commit_is_decoding(rng, kernels: bool) -> None:
     lengths, slots, fresh = [4, 3], tensor([2, 4]), tensor([False, False])
     qkv, b_a, z = step_inputs(rng, sum(lengths), hv, dv, conv_dim, dtype)
     step = step_batch(lengths)
-    verify = triton_gated_deltanet_verify if kernels else gated_deltanet_verify_torch
+    verify = kernels or gated_deltanet_verify_torch
     commit = triton_gated_deltanet_commit if kernels else gated_deltanet_commit_torch
     verified = clones(start)
     out = verify(qkv, b_a, z, *params, *verified, slots, fresh, step.rows, step.lengths)
@@ -178,7 +227,8 @@ def test_verify_then_commit_is_decoding(rng, kernels: bool) -> None:
 
 
 @needs_triton
-def test_kernels_match_the_decode_kernel(rng) -> None:
+@pytest.mark.parametrize("verify", VERIFY_KERNELS)
+def test_kernels_match_the_decode_kernel(rng, verify) -> None:
     """One-row verify blocks and their commit leave the states and outputs that the fused
     decode kernel gives (the same rows through the other one-launch path)."""
     hk, hv, dk, dv, taps, dtype = 2, 4, 8, 40, 4, torch.float32
@@ -189,9 +239,7 @@ def test_kernels_match_the_decode_kernel(rng) -> None:
     qkv, b_a, z = step_inputs(rng, 2, hv, dv, conv_dim, dtype)
     step = step_batch([1, 1])
     verified, decoded = clones(start), clones(start[:2])
-    out = triton_gated_deltanet_verify(
-        qkv, b_a, z, *params, *verified, slots, fresh, step.rows, step.lengths
-    )
+    out = verify(qkv, b_a, z, *params, *verified, slots, fresh, step.rows, step.lengths)
     triton_gated_deltanet_commit(hk, *verified, slots, tensor([1, 1]))
     want = triton_gated_deltanet_decode(qkv, b_a, z, *params, *decoded, slots, fresh)
     torch.testing.assert_close(out, want, **tolerance(dtype))
@@ -207,7 +255,8 @@ def test_blocks_wider_than_the_stash_are_refused(rng) -> None:
     start = pools(rng, hv, dk, dv, conv_dim, taps, torch.float32)
     step = step_batch([WIDTH + 1])
     qkv, b_a, z = step_inputs(rng, WIDTH + 1, hv, dv, conv_dim, torch.float32)
-    for verify in (triton_gated_deltanet_verify, gated_deltanet_verify_torch):
+    for verify in (triton_gated_deltanet_verify, triton_gated_deltanet_verify_chunked,
+                   gated_deltanet_verify_torch):  # fmt: skip
         with pytest.raises(ValueError, match=f"verify blocks of {WIDTH + 1} rows exceed"):
             verify(qkv, b_a, z, *params, *start, tensor([0]), tensor([False]), step.rows,
                    step.lengths)  # fmt: skip

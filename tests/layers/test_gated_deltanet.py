@@ -9,7 +9,11 @@ Runs under Triton's interpreter on the CPU (TRITON_INTERPRET=1, set by tests/con
 import pytest
 import torch
 
-from blockdraft.kernels import triton_gated_deltanet_step, triton_gated_deltanet_verify
+from blockdraft.kernels import (
+    triton_gated_deltanet_step,
+    triton_gated_deltanet_verify,
+    triton_gated_deltanet_verify_chunk,
+)
 from blockdraft.kernels.forward_context import build_linear_metadata, forward_context
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.runtime.host_batch import build_attention_metadata
@@ -93,38 +97,45 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_verify_forward_and_commit_take_the_kernels(rng, set_policy, monkeypatch, dtype) -> None:
+def test_verify_forward_and_commit_take_the_kernels(
+    rng, set_policy, monkeypatch, dtype, chunked
+) -> None:
     """A forward of two verify blocks (4 and 2 rows, the second a padded request on the spare
     slot) and the commit of 3 rows after it: with `fuse_gated_deltanet_verify` both kernels
-    run, and outputs, stash and committed states match the step path's. Verify blocks beside
-    a decode row or a prefill chunk keep the step path."""
+    run (the verify's chunked form with `chunked_gated_deltanet_verify`), and outputs, stash
+    and committed states match the step path's. Verify blocks beside a decode row or a
+    prefill chunk keep the step path."""
     calls = []
-    for name in ("triton_gated_deltanet_verify", "triton_gated_deltanet_commit"):
-        kernel = getattr(triton_gated_deltanet_verify, name)
+    verify = (triton_gated_deltanet_verify_chunk, "triton_gated_deltanet_verify_chunked")
+    if not chunked:
+        verify = (triton_gated_deltanet_verify, "triton_gated_deltanet_verify")
+    for module, name in (verify, (triton_gated_deltanet_verify, "triton_gated_deltanet_commit")):
+        kernel = getattr(module, name)
 
         def spy(*args, _name=name, _kernel=kernel, **kwargs):
             return calls.append(_name) or _kernel(*args, **kwargs)
 
-        monkeypatch.setattr(triton_gated_deltanet_verify, name, spy)
+        monkeypatch.setattr(module, name, spy)
     fused = tiny_layer(rng, dtype)
     plain = copy_of(fused, rng, dtype)
     x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
     verify_block = ([3, -1], [9, 4], [4, 2], [True, True])
-    set_policy(backend="triton", fuse_gated_deltanet_verify=True)
+    set_policy(backend="triton", chunked_gated_deltanet_verify=chunked)
     got = run(fused, x, *verify_block)
     fused.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
     set_policy(backend="triton", fuse_gated_deltanet_verify=False)
     want = run(plain, x, *verify_block)
     plain.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
-    assert calls == ["triton_gated_deltanet_verify", "triton_gated_deltanet_commit"]
+    assert calls == [verify[1], "triton_gated_deltanet_commit"]
     assert_near(got, want, dtype, bf16_max=1.0, bf16_mean=0.015)
     assert torch.equal(fused.stash_qkv[3], plain.stash_qkv[3])
     ulps = 2**-22 if dtype == torch.float32 else 2**-6  # conv outputs: rounded twice
     torch.testing.assert_close(fused.stash_mixed[3], plain.stash_mixed[3], atol=ulps, rtol=ulps)
     assert torch.equal(fused.conv_state[3], plain.conv_state[3])
     assert_near(fused.recurrent_state[3], plain.recurrent_state[3], dtype, 0.1, 0.002)
-    set_policy(backend="triton", fuse_gated_deltanet_verify=True)
+    set_policy(backend="triton", chunked_gated_deltanet_verify=chunked)
     run(fused, x[:5], [3, 0], [12, 2], [1, 4], [False, True])  # beside a decode row
     run(fused, x, [3, 0], [12, 0], [4, 2], [True, False])  # beside a prefill chunk
     assert len(calls) == 2

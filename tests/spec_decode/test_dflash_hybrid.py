@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from blockdraft import LLM, SamplingParams
-from blockdraft.kernels import triton_gated_deltanet_verify
+from blockdraft.kernels import triton_gated_deltanet_verify, triton_gated_deltanet_verify_chunk
 from blockdraft.kernels.policy import KernelPolicy
 from blockdraft.kernels.triton_env import triton_interpreting
 from blockdraft.layers import gated_deltanet
@@ -238,16 +238,19 @@ def test_first_drafts_match_zlab(random_pair, tmp_path: Path, rng) -> None:
 
 
 @pytest.mark.skipif(not triton_interpreting(), reason="the Triton interpreter on the CPU")
-def test_fused_verify_keeps_greedy_tokens(tmp_path: Path, monkeypatch, rng) -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fused_verify_keeps_greedy_tokens(tmp_path: Path, monkeypatch, rng, chunked) -> None:
     """With `fuse_gated_deltanet_verify` a hybrid target's Gated DeltaNet layer runs its verify
     forwards and commits through the one-launch kernels (interpreted; every other kernel the
-    torch one, and one linear layer of two, to keep the run short): two requests, partial
-    acceptance, a prefill chunk beside a verify; the same tokens and acceptance lengths as
-    with the option off."""
+    torch one, and one linear layer of two, to keep the run short; the verify's chunked form
+    with `chunked`): two requests, partial acceptance, a prefill chunk beside a verify; the
+    same tokens and acceptance lengths as with the option off."""
     calls = []
     for step in ("verify", "commit"):
         name = f"triton_gated_deltanet_{step}"
         kernel = getattr(triton_gated_deltanet_verify, name)
+        if chunked and step == "verify":
+            kernel = triton_gated_deltanet_verify_chunk.triton_gated_deltanet_verify_chunked
 
         def spy(*args, _name=name, _kernel=kernel, **kwargs):
             return calls.append(_name) or _kernel(*args, **kwargs)
