@@ -1,6 +1,10 @@
 """Shared benchmark tools (benchmarks/common.py) that do not need a GPU to be checked."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -515,3 +519,26 @@ def test_gdn_kernel_bench_times_each_kernel_against_its_twin(capsys) -> None:
     assert all(float(r[-1]) < 1e-4 for r in rows), rows
     with pytest.raises(SystemExit):
         gdn_kernel_bench.main(["--tiny", "--rows", "4", "--accepted", "5"])
+
+
+def test_kernel_resources_compiles_the_gdn_kernels_for_a_gpu_without_one() -> None:
+    """The Gated DeltaNet kernels compile for sm_90 on this CPU-only machine (a compile error
+    that the interpreter never sees fails here), each case with its registers, spills and
+    shared memory. Its own process: Triton compiles only where the interpreter is off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.kernel_resources", "--tiny", "--rows", "4"],
+        capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if "_kernel" in line]
+    kernels = [next(w for w in r if w.endswith("_kernel")) for r in rows]
+    assert kernels == [
+        "_gated_deltanet_decode_kernel",
+        "_gated_deltanet_verify_kernel",
+        *["_gated_deltanet_verify_chunk_kernel"] * 4,
+        "_gated_deltanet_commit_kernel",
+    ], out.stdout
+    for r in rows:
+        registers, stack, shared = map(int, r[-3:])
+        assert 0 < registers <= 255 and stack >= 0 and shared >= 0, r

@@ -1,0 +1,157 @@
+"""Triton kernels compiled for a GPU that is not here: the registers, spills and shared memory
+of each kernel a case launches, at a model's shapes.
+
+Each case calls the kernels' own Python wrappers with CPU tensors; their launches only compile
+(Triton's JIT with a stand-in driver that names the target, and `warmup`: nothing runs, the
+outputs stay empty). The compiled binary's resource line (`cuobjdump -res-usage`, shipped in
+Triton's wheel) gives registers and stack (spills, bytes a thread); Triton's metadata the
+shared memory. So a kernel variant's spills can be read, and a compile error that the CPU
+tests' interpreter cannot see caught, without a GPU. Speed still needs one.
+
+Cases: the Gated DeltaNet decode, verify (the row kernel, and the chunked form at each value
+block and warp count) and commit kernels, at Qwen3.5-27B heads (`--tiny`: small heads).
+
+    python -m benchmarks.kernel_resources [--arch 90] [--tiny]
+"""
+
+from __future__ import annotations
+
+import os
+
+# The interpreter (which the tests turn on) has no compiler: this must precede Triton's import.
+os.environ.pop("TRITON_INTERPRET", None)
+
+import argparse  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver, jit  # noqa: E402
+
+from benchmarks.common import print_table  # noqa: E402
+from benchmarks.gdn_kernel_bench import HEADS, layer_inputs, stashes  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+class _TargetOnlyDriver:
+    """What Triton's JIT asks of a driver before it launches: a device, a stream, a target."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+@contextmanager
+def compile_only(arch: int) -> Iterator[list[tuple[str, object]]]:
+    """Every Triton launch inside compiles for sm_`arch` and runs nothing; yields the list of
+    (kernel name, compiled kernel) it fills."""
+    compiled: list[tuple[str, object]] = []
+    launch = jit.JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 (Triton's signature)
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    before = driver._active  # DriverConfig has no public getter that would not probe for a GPU
+    driver.set_active(_TargetOnlyDriver(GPUTarget("cuda", arch, 32)))
+    jit.JITFunction.run = run
+    try:
+        yield compiled
+    finally:
+        jit.JITFunction.run = launch
+        driver.set_active(before)
+
+
+def resources(kernel: object) -> dict[str, int]:
+    """registers, stack (spilled bytes a thread) and shared memory (bytes) of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"no resource line in cuobjdump's output:\n{usage}")
+    return {"registers": int(found[1]), "stack": int(found[2]), "shared": kernel.metadata.shared}
+
+
+def gdn_cases(heads: tuple, batch: int, rows: int) -> dict[str, Callable[[], object]]:
+    """The Gated DeltaNet kernels' launches at these heads, bf16, on CPU tensors."""
+    from blockdraft.kernels.triton_gated_deltanet_step import triton_gated_deltanet_decode
+    from blockdraft.kernels.triton_gated_deltanet_verify import (
+        triton_gated_deltanet_commit,
+        triton_gated_deltanet_verify,
+    )
+    from blockdraft.kernels.triton_gated_deltanet_verify_chunk import (
+        triton_gated_deltanet_verify_chunked,
+    )
+
+    cpu, dtype = torch.device("cpu"), torch.bfloat16
+    slots = torch.arange(batch)
+    fresh = torch.zeros(batch, dtype=torch.bool)
+    decode_inputs = layer_inputs(heads, batch, batch + 1, cpu, dtype)
+    projections, weights, pools = layer_inputs(heads, batch * rows, batch + 1, cpu, dtype)
+    pools = [*pools, *stashes(heads, batch + 1, rows + 1, cpu, dtype)]
+    block = (slots, fresh, torch.arange(batch * rows).view(batch, rows), torch.full((batch,), rows))
+    verify_args = (*projections, *weights, *pools, *block)
+    cases = {
+        "decode": lambda: triton_gated_deltanet_decode(
+            *decode_inputs[0], *decode_inputs[1], *decode_inputs[2], slots, fresh
+        ),
+        f"verify {rows} rows": lambda: triton_gated_deltanet_verify(*verify_args),
+    }
+    for block_v in (32, 64):
+        for warps in (4, 8):
+            cases[f"verify {rows} rows, chunked, {block_v} value dims, {warps} warps"] = (
+                lambda bv=block_v, w=warps: triton_gated_deltanet_verify_chunked(
+                    *verify_args, block_v=bv, num_warps=w
+                )
+            )
+    cases["commit"] = lambda: triton_gated_deltanet_commit(
+        heads[0], *pools, slots, torch.full((batch,), rows)
+    )
+    return cases
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    p.add_argument("--shape", choices=sorted(HEADS), default="qwen3.5-27b")
+    p.add_argument("--tiny", action="store_true", help="tiny heads")
+    p.add_argument("--rows", type=int, default=16, help="rows of a verify block (1 + N)")
+    args = p.parse_args(argv)
+    heads = HEADS["tiny" if args.tiny else args.shape]
+    rows = []
+    for case, launch in gdn_cases(heads, 1, args.rows).items():
+        with compile_only(args.arch) as compiled:
+            launch()
+        for name, kernel in compiled:
+            use = resources(kernel)
+            rows.append([case, name, use["registers"], use["stack"], use["shared"]])
+    print_table(
+        f"Triton kernels compiled for sm_{args.arch}, {'tiny' if args.tiny else args.shape} "
+        f"heads {heads[:4]}, conv {heads[4]}, bf16 (stack: spilled bytes a thread)",
+        ["case", "kernel", "registers", "stack", "shared"],
+        rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
