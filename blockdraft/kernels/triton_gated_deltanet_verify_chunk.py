@@ -21,13 +21,16 @@ The state slice is only read (the commit kernel advances it over the accepted ro
 row, as decoding does). Everything else (one program per (sequence, value head, block of
 value dims), the stash, the gated RMSNorm by the head's last program) is the row kernel's.
 
-Every dot is a tf32x3 one (three tensor-core products of split operands, near float32):
-where keys align the powers of A grow to thousands (13 equal keys with beta 1 and no decay:
-A^8 entries of 3,432) and the products cancel back to O(1), which float32 does to ~4e-4 of
-the result, tf32x3 to ~2e-3 (emulated) and plain tf32 not at all. ieee float32 dots (FMA, no
-tensor cores) took the program from 80 to 280-780 bytes of spills a thread (sm_90, compiled
-ahead of time). For the same reason blocks of more than MAX_CHUNK_ROWS rows go to the row
-kernel (20 aligned rows came out 3% off in float32: A^16's entries reach ~10^4).
+Precision. The products over Dk (K S, Q S, K K^T, Q K^T) take tf32 in 16-bit models, as the
+prefill kernel's do (ieee in float32 ones); the inverse's chain and the scores' product take
+tf32x3 (three tensor-core products of split operands, near float32): where keys align the
+powers of A grow to thousands (13 equal keys with beta 1 and no decay: A^8 entries of 3,432)
+and cancel back to O(1), which plain tf32 cannot do. Emulated on 16 rows (Dk 128), the output
+is within 1.2e-3 of each row's largest value with random keys and 3.3e-3 with equal ones (a
+bf16 ulp is 3.9e-3; all-tf32 dots: 5.5, i.e. wrong; tf32x3 everywhere: 4.5e-3 but 255
+registers and 112 bytes of spills a thread on sm_90, against 186 and none so). For the same
+reason blocks of more than MAX_CHUNK_ROWS rows go to the row kernel (20 aligned rows came out
+3% off even in float32: A^16's entries reach ~10^4).
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def _gated_deltanet_verify_chunk_kernel(
     BD: tl.constexpr,  # Dv rounded up to a power of two
     SPLIT: tl.constexpr,  # more than one value block a head
     ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
+    PRECISION: tl.constexpr,  # of the products over Dk: "tf32" (16-bit models) or "ieee"
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
@@ -220,16 +224,16 @@ def _gated_deltanet_verify_chunk_kernel(
     causal = offs_t[:, None] >= offs_t[None, :]
     # exp only on and below the diagonal (cum falls, so above it could overflow)
     pair_decay = tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0))
-    kk = tl.dot(k, tl.trans(k), input_precision="tf32x3")
+    kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
     a_pow = tl.where(offs_t[:, None] > offs_t[None, :], kk * pair_decay * beta[:, None], 0.0)
-    ks = tl.dot(k, state, input_precision="tf32x3")  # [BT, BV]
+    ks = tl.dot(k, state, input_precision=PRECISION)  # [BT, BV]
     rhs = beta[:, None] * (v - tl.exp(cum)[:, None] * ks)
     u = rhs - tl.dot(a_pow, rhs, input_precision="tf32x3")  # (I - A) rhs
     for _ in tl.static_range(LOG_BT - 1):
         a_pow = tl.dot(a_pow, a_pow, input_precision="tf32x3")  # A^2, A^4, ...
         u += tl.dot(a_pow, u, input_precision="tf32x3")
-    scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision="tf32x3") * pair_decay, 0.0)
-    core = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision="tf32x3")
+    scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair_decay, 0.0)
+    core = tl.exp(cum)[:, None] * tl.dot(q, state, input_precision=PRECISION)
     core += tl.dot(scores, u, input_precision="tf32x3")
     out_ptrs = out_ptr + row[:, None] * (Hv * Dv) + head * Dv + offs_v[None, :]
     tl.store(out_ptrs, core.to(out_ptr.dtype.element_ty), mask=rows_tv)
@@ -296,6 +300,7 @@ def triton_gated_deltanet_verify_chunked(
         K=conv_weight.shape[-1], BK=max(MIN_DOT, triton.next_power_of_2(dk)), BV=bv, BT=bt,
         LOG_BT=bt.bit_length() - 1, BD=triton.next_power_of_2(dv), SPLIT=blocks > 1,
         ROUND_PRODUCT=round_product,
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         PDL=pdl, num_warps=num_warps, **launch_options(pdl),
     )  # fmt: skip
     return out
