@@ -7,7 +7,8 @@ and CUDA graphs.
 - CUDA graphs: a Qwen3.5 (Gated DeltaNet + gated attention) target with and without its
   DFlash drafter (sliding-window layers: their own pages), a Qwen3.5-MoE with one, and a dense
   Qwen3 with its DFlash and its DFlash2 drafter (z-lab's classes: needs the `dflash` package),
-  give the same tokens with graphs as eager;
+  give the same tokens with graphs as eager; the hybrid's DFlash run gives them with the chunked
+  form of the Gated DeltaNet verify kernel as with the row kernel;
 - tensor parallel (when --tp > 1 GPUs are visible): dense Qwen3 (with and without DFlash),
   Qwen3-MoE and Qwen3.5 give at TP N the tokens of one GPU, greedy and seeded-sampled.
 Prints one line per check and exits 1 when one differs.
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from blockdraft import LLM, SamplingParams  # noqa: E402
+from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
 from checkpoints import (  # noqa: E402
     make_dflash_drafter,
@@ -105,6 +107,12 @@ def main() -> None:
     for name, target, drafter in graph_cases:
         eager = generate(target, drafter, prompts, enforce_eager=True)
         check(f"{name}: CUDA graphs = eager", generate(target, drafter, prompts), eager)
+    chunked = KernelPolicy(chunked_gated_deltanet_verify=True)
+    check(
+        "hybrid + DFlash: chunked verify = row kernel",
+        generate(hybrid, drafters["hybrid"], prompts, kernel_policy=chunked),
+        generate(hybrid, drafters["hybrid"], prompts),
+    )
     if args.tp > 1 and torch.cuda.device_count() >= args.tp:
         cases = [
             ("qwen3", qwen3, None),
