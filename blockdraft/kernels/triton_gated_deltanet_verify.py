@@ -174,6 +174,44 @@ def _kept_row(
 
 
 @triton.jit
+def _head_channels(
+    head,  # value head
+    block,  # block of value dims
+    groups,  # Hv // Hk: value heads per key head
+    Hk,
+    Dk,
+    Dv,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
+    """A program's channels: its key head's q and k channels and its value block's v channels
+    (with their masks), and their offsets within a head."""
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < Dk
+    q_ch = (head // groups) * Dk + offs_k
+    offs_v = block * BV + tl.arange(0, BV)
+    mask_v = offs_v < Dv
+    v_ch = 2 * Hk * Dk + head * Dv + offs_v
+    return offs_k, mask_k, q_ch, Hk * Dk + q_ch, offs_v, mask_v, v_ch
+
+
+@triton.jit
+def _state_slice_ptrs(
+    state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
+    slot,
+    head,
+    offs_k,  # [BK]
+    offs_v,  # [BV]
+    Hv,
+    Dk,
+    Dv,
+):
+    """[BK, BV] pointers to the program's slice of its slot's state."""
+    head_ptr = state_ptr + (slot * Hv + head) * Dk * Dv
+    return head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
+
+
+@triton.jit
 def _gate_inputs(
     b,  # a step's b (or [BT] steps'), the projection's dtype
     a,  # and a
@@ -308,7 +346,6 @@ def _gated_deltanet_verify_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     block = tl.program_id(2)
-    k_head = head // groups
     out_ty = out_ptr.dtype.element_ty
     conv_dim = 2 * Hk * Dk + Hv * Dv
     slot = tl.load(slots_ptr + seq)
@@ -318,20 +355,11 @@ def _gated_deltanet_verify_kernel(
     seq_rows_ptr = rows_ptr + seq * T
     conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
 
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < Dk
-    q_ch = k_head * Dk + offs_k
-    k_ch = Hk * Dk + q_ch
-    offs_v = block * BV + tl.arange(0, BV)
-    mask_v = offs_v < Dv
-    v_ch = 2 * Hk * Dk + head * Dv + offs_v
-    stashes_qk = mask_k & (head % groups == 0) & (block == 0)
-    state_ptrs = (
-        state_ptr
-        + (slot * Hv + head) * Dk * Dv
-        + offs_k[:, None].to(tl.int64) * Dv
-        + offs_v[None, :]
+    offs_k, mask_k, q_ch, k_ch, offs_v, mask_v, v_ch = _head_channels(
+        head, block, groups, Hk, Dk, Dv, BK, BV
     )
+    stashes_qk = mask_k & (head % groups == 0) & (block == 0)
+    state_ptrs = _state_slice_ptrs(state_ptr, slot, head, offs_k, offs_v, Hv, Dk, Dv)
     state = tl.load(state_ptrs, mask=mask_k[:, None] & mask_v[None, :] & keep, other=0.0)
     neg_a = -tl.exp(tl.load(a_log_ptr + head).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
@@ -443,20 +471,11 @@ def _gated_deltanet_commit_kernel(
     slot = tl.load(slots_ptr + seq)
     slot = tl.where(slot < 0, slot + num_slots, slot)
     length = tl.minimum(tl.load(lengths_ptr + seq), W)
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < Dk
-    q_ch = (head // groups) * Dk + offs_k
-    k_ch = Hk * Dk + q_ch
-    offs_v = block * BV + tl.arange(0, BV)
-    mask_v = offs_v < Dv
-    v_ch = 2 * Hk * Dk + head * Dv + offs_v
-    mask = mask_k[:, None] & mask_v[None, :]
-    state_ptrs = (
-        state_ptr
-        + (slot * Hv + head) * Dk * Dv
-        + offs_k[:, None].to(tl.int64) * Dv
-        + offs_v[None, :]
+    offs_k, mask_k, q_ch, k_ch, offs_v, mask_v, v_ch = _head_channels(
+        head, block, groups, Hk, Dk, Dv, BK, BV
     )
+    mask = mask_k[:, None] & mask_v[None, :]
+    state_ptrs = _state_slice_ptrs(state_ptr, slot, head, offs_k, offs_v, Hv, Dk, Dv)
     state = tl.load(state_ptrs, mask=mask, other=0.0)
     mixed_ptr = stash_mixed_ptr + slot * W * conv_dim
     gb_ptr = stash_gb_ptr + slot * W * 2 * Hv + head

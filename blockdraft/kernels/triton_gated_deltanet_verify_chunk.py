@@ -46,7 +46,9 @@ from blockdraft.kernels.triton_gated_deltanet_verify import (
     _check_verify_shapes,
     _gate_inputs,
     _gated_norm_when_done,
+    _head_channels,
     _rows,
+    _state_slice_ptrs,
     triton_gated_deltanet_verify,
 )
 
@@ -164,7 +166,6 @@ def _gated_deltanet_verify_chunk_kernel(
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     block = tl.program_id(2)
-    k_head = head // groups
     conv_dim = 2 * Hk * Dk + Hv * Dv
     slot = tl.load(slots_ptr + seq)
     slot = tl.where(slot < 0, slot + num_slots, slot)
@@ -175,13 +176,9 @@ def _gated_deltanet_verify_chunk_kernel(
 
     offs_t = tl.arange(0, BT)
     mask_t = offs_t < length
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < Dk
-    q_ch = k_head * Dk + offs_k
-    k_ch = Hk * Dk + q_ch
-    offs_v = block * BV + tl.arange(0, BV)
-    mask_v = offs_v < Dv
-    v_ch = 2 * Hk * Dk + head * Dv + offs_v
+    offs_k, mask_k, q_ch, k_ch, offs_v, mask_v, v_ch = _head_channels(
+        head, block, groups, Hk, Dk, Dv, BK, BV
+    )
     rows_tk = mask_t[:, None] & mask_k[None, :]
     rows_tv = mask_t[:, None] & mask_v[None, :]
 
@@ -213,12 +210,7 @@ def _gated_deltanet_verify_chunk_kernel(
     k = tl.where(rows_tk, _normed(k.to(tl.float32), 1.0, l2_eps), 0.0)
     v = tl.where(rows_tv, v.to(tl.float32), 0.0)
 
-    state_ptrs = (
-        state_ptr
-        + (slot * Hv + head) * Dk * Dv
-        + offs_k[:, None].to(tl.int64) * Dv
-        + offs_v[None, :]
-    )
+    state_ptrs = _state_slice_ptrs(state_ptr, slot, head, offs_k, offs_v, Hv, Dk, Dv)
     state = tl.load(state_ptrs, mask=mask_k[:, None] & mask_v[None, :] & keep, other=0.0)
     cum = tl.cumsum(g, axis=0)
     causal = offs_t[:, None] >= offs_t[None, :]
