@@ -5,8 +5,11 @@ Each case calls the kernels' own Python wrappers with CPU tensors; their launche
 (Triton's JIT with a stand-in driver that names the target, and `warmup`: nothing runs, the
 outputs stay empty). The compiled binary's resource line (`cuobjdump -res-usage`, shipped in
 Triton's wheel) gives registers and stack (spills, bytes a thread); Triton's metadata the
-shared memory. So a kernel variant's spills can be read, and a compile error that the CPU
-tests' interpreter cannot see caught, without a GPU. Speed still needs one.
+shared memory; a digest of its SASS instructions (`cuobjdump -sass`, addresses dropped) tells
+whether a refactor changed the machine code (run the tool at both revisions). So a kernel
+variant's spills can be read, a compile error that the CPU tests' interpreter cannot see
+caught, and a refactor shown to leave a timed kernel as it was, without a GPU. Speed still
+needs one.
 
 Cases: the Gated DeltaNet decode, verify (the row kernel, and the chunked form at each value
 block and warp count) and commit kernels, at Qwen3.5-27B heads (`--tiny`: small heads).
@@ -22,6 +25,7 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -78,18 +82,28 @@ def compile_only(arch: int) -> Iterator[list[tuple[str, object]]]:
         driver.set_active(before)
 
 
-def resources(kernel: object) -> dict[str, int]:
-    """registers, stack (spilled bytes a thread) and shared memory (bytes) of a compiled kernel."""
+def cuobjdump(kernel: object, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run(
-            [str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True, check=True
+        return subprocess.run(
+            [str(CUOBJDUMP), flag, f.name], capture_output=True, text=True, check=True
         ).stdout
+
+
+def resources(kernel: object) -> dict[str, int | str]:
+    """registers, stack (spilled bytes a thread), shared memory (bytes) and a digest of the
+    SASS instructions of a compiled kernel."""
+    usage = cuobjdump(kernel, "-res-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     if found is None:
         raise RuntimeError(f"no resource line in cuobjdump's output:\n{usage}")
-    return {"registers": int(found[1]), "stack": int(found[2]), "shared": kernel.metadata.shared}
+    # Instruction lines read "        /*0a70*/  FFMA R3, R4, R5, R3 ;  /* 0x... */": the address
+    # and the encoding go, so only the instructions count.
+    instructions = re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]+;)", cuobjdump(kernel, "-sass"))
+    digest = hashlib.sha1("\n".join(instructions).encode()).hexdigest()[:10]
+    return {"registers": int(found[1]), "stack": int(found[2]), "shared": kernel.metadata.shared,
+            "sass": digest}  # fmt: skip
 
 
 def gdn_cases(heads: tuple, batch: int, rows: int) -> dict[str, Callable[[], object]]:
@@ -144,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
             launch()
         for name, kernel in compiled:
             use = resources(kernel)
-            rows.append([case, name, use["registers"], use["stack"], use["shared"]])
+            rows.append([case, name, *use.values()])
     print_table(
         f"Triton kernels compiled for sm_{args.arch}, {'tiny' if args.tiny else args.shape} "
         f"heads {heads[:4]}, conv {heads[4]}, bf16 (stack: spilled bytes a thread)",
-        ["case", "kernel", "registers", "stack", "shared"],
+        ["case", "kernel", "registers", "stack", "shared", "sass"],
         rows,
     )
 

@@ -540,5 +540,8 @@ def test_kernel_resources_compiles_the_gdn_kernels_for_a_gpu_without_one() -> No
         "_gated_deltanet_commit_kernel",
     ], out.stdout
     for r in rows:
-        registers, stack, shared = map(int, r[-3:])
+        registers, stack, shared = map(int, r[-4:-1])
         assert 0 < registers <= 255 and stack >= 0 and shared >= 0, r
+    digests = [r[-1] for r in rows]
+    assert all(len(d) == 10 for d in digests), digests
+    assert len(set(digests[2:6])) == 4, digests  # each chunked variant its own machine code
