@@ -15,8 +15,9 @@ rows' cumulative log decay c (Gamma = exp(c)):
     U = (I + A)^-1 beta (V - Gamma K S)                          [T, BV], the rows' deltas
     O = Gamma Q S + causal(exp(c_t - c_i) q_t . k_i) U           [T, BV], the un-normed output
 
-A is nilpotent (A^T = 0 for T rows), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: log2(T)
-squarings, each a product on the tensor cores, instead of a forward substitution row by row.
+A is nilpotent (A^T = 0 for T rows), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: log2(T) - 1
+squarings (three for 16 rows, one for 4), each a product on the tensor cores, instead of a
+forward substitution row by row.
 The state slice is only read (the commit kernel advances it over the accepted rows, row by
 row, as decoding does). Everything else (one program per (sequence, value head, block of
 value dims), the stash, the gated RMSNorm by the head's last program) is the row kernel's.
@@ -155,7 +156,7 @@ def _gated_deltanet_verify_chunk_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     BT: tl.constexpr,  # 16 >= T
-    LOG_BT: tl.constexpr,  # log2(BT)
+    SQUARINGS: tl.constexpr,  # log2(T rounded up to a power of two) - 1: A^(2^(S+1)) = 0
     BD: tl.constexpr,  # Dv rounded up to a power of two
     SPLIT: tl.constexpr,  # more than one value block a head
     ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
@@ -221,7 +222,7 @@ def _gated_deltanet_verify_chunk_kernel(
     ks = tl.dot(k, state, input_precision=PRECISION)  # [BT, BV]
     rhs = beta[:, None] * (v - tl.exp(cum)[:, None] * ks)
     u = rhs - tl.dot(a_pow, rhs, input_precision="tf32x3")  # (I - A) rhs
-    for _ in tl.static_range(LOG_BT - 1):
+    for _ in tl.static_range(SQUARINGS):
         a_pow = tl.dot(a_pow, a_pow, input_precision="tf32x3")  # A^2, A^4, ...
         u += tl.dot(a_pow, u, input_precision="tf32x3")
     scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION) * pair_decay, 0.0)
@@ -278,7 +279,6 @@ def triton_gated_deltanet_verify_chunked(
         counters = torch.zeros(s * hv, dtype=torch.int32, device=qkv.device)
     bv = max(MIN_DOT, _block_v(dv, block_v))
     blocks = triton.cdiv(dv, bv)
-    bt = MIN_DOT
     qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
     round_product = torch.result_type(norm_weight, out) == out.dtype != torch.float32
     pdl = pdl_enabled(qkv.device)
@@ -289,8 +289,9 @@ def triton_gated_deltanet_verify_chunked(
         qkv.stride(0), b_a.stride(0), z.stride(0),
         state_pool.shape[0], t, stash_qkv.shape[1], num_k_heads, hv, dk, dv, hv // num_k_heads,
         dk**-0.5, 1e-6, norm_eps,
-        K=conv_weight.shape[-1], BK=max(MIN_DOT, triton.next_power_of_2(dk)), BV=bv, BT=bt,
-        LOG_BT=bt.bit_length() - 1, BD=triton.next_power_of_2(dv), SPLIT=blocks > 1,
+        K=conv_weight.shape[-1], BK=max(MIN_DOT, triton.next_power_of_2(dk)), BV=bv, BT=MIN_DOT,
+        SQUARINGS=max(triton.next_power_of_2(t).bit_length() - 2, 0),
+        BD=triton.next_power_of_2(dv), SPLIT=blocks > 1,
         ROUND_PRODUCT=round_product,
         PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
         PDL=pdl, num_warps=num_warps, **launch_options(pdl),
