@@ -1,5 +1,5 @@
 """Gated DeltaNet kernels on a hybrid target's heads, Triton against the torch twins: the decode
-step (one row a sequence), the verify forward (blocks of `--rows` rows; the row kernel, and
+step (one row a sequence), the verify forward (blocks of each `--rows`; the row kernel, and
 the chunked form at each `--chunked-block-v`) and the commit after it (`--accepted` rows
 kept), at each batch size, random inputs and states.
 
@@ -156,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shape", choices=sorted(HEADS), default="qwen3.5-27b")
     p.add_argument("--tiny", action="store_true", help="tiny heads (CPU smoke run)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--rows", type=int, default=16, help="rows of a verify block (1 + N)")
+    p.add_argument(
+        "--rows", type=int, nargs="+", default=[16], help="rows of a verify block (1 + N)"
+    )
     p.add_argument("--accepted", type=int, default=5, help="rows a commit keeps")
     p.add_argument(
         "--chunked-block-v",
@@ -168,18 +170,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunked-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
-    if not 1 <= args.accepted <= args.rows:
-        p.error(f"--accepted must lie in 1..--rows ({args.rows}), not {args.accepted}")
+    if not 1 <= args.accepted <= min(args.rows):
+        p.error(f"--accepted must lie in 1..{min(args.rows)} (--rows), not {args.accepted}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     heads = HEADS["tiny" if args.tiny else args.shape]
     torch.manual_seed(0)
     rows = []
-    for batch in args.batches:
+    for batch, block_rows in itertools.product(args.batches, args.rows):
         for name, t_torch, t_triton, err in bench_batch(
             heads,
             batch,
-            args.rows,
+            block_rows,
             args.accepted,
             args.chunked_block_v,
             args.chunked_warps,
