@@ -11,10 +11,14 @@ variant's spills can be read, a compile error that the CPU tests' interpreter ca
 caught, and a refactor shown to leave a timed kernel as it was, without a GPU. Speed still
 needs one.
 
-Cases: the Gated DeltaNet decode, verify (the row kernel, and the chunked form at each value
-block and warp count) and commit kernels, at Qwen3.5-27B heads (`--tiny`: small heads).
+Cases (`--groups`): `gdn`, the Gated DeltaNet decode, verify (the row kernel, and the chunked
+form at each value block and warp count) and commit kernels at Qwen3.5-27B heads (`--tiny`:
+small heads); `dflash2`, a DFlash2 drafter step's own kernels at Qwen3-8B shapes (z-lab's
+published fields: conv kernel 2, groups of 16, selector rank 256, top-16): the kernel
+projection's skinny GEMM, the dynamic conv, the conv + residual + RMSNorm, the top-K over the
+vocabulary and the candidate walk, for one block of 16 rows.
 
-    python -m benchmarks.kernel_resources [--arch 90] [--tiny]
+    python -m benchmarks.kernel_resources [--arch 90] [--groups gdn dflash2] [--tiny]
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver, jit  # noqa: E402
 
-from benchmarks.common import print_table  # noqa: E402
+from benchmarks.common import DFLASH2_FIELDS, print_table  # noqa: E402
 from benchmarks.gdn_kernel_bench import HEADS, layer_inputs, stashes  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -144,24 +148,74 @@ def gdn_cases(heads: tuple, batch: int, rows: int) -> dict[str, Callable[[], obj
     return cases
 
 
+def dflash2_cases(rows: int) -> dict[str, Callable[[], object]]:
+    """A DFlash2 drafter step's kernels for one block of `rows` rows at Qwen3-8B shapes, bf16,
+    on CPU tensors."""
+    from blockdraft.kernels.triton_candidate_walk import triton_candidate_walk
+    from blockdraft.kernels.triton_dynamic_conv import (
+        triton_conv_rms_norm,
+        triton_grouped_dynamic_causal_conv,
+    )
+    from blockdraft.kernels.triton_linear import skinny_linear
+    from blockdraft.kernels.triton_top_k import triton_top_k
+
+    hidden, vocab, dtype = 4096, 151936, torch.bfloat16
+    taps, rank, top_k = (DFLASH2_FIELDS[k] for k in ("conv_kernel_size", "selector_rank",
+                                                      "selector_top_k"))  # fmt: skip
+    groups = hidden // DFLASH2_FIELDS["conv_group_size"]
+    x = torch.zeros(rows, hidden, dtype=dtype)
+    projection = torch.zeros(2 * taps * groups, hidden, dtype=dtype)
+    dynamic = torch.zeros(rows, taps, groups, dtype=dtype)
+    base = torch.zeros(taps, hidden, dtype=dtype)
+    drafts = rows - 1
+    codebook = torch.zeros(vocab, rank, dtype=dtype)
+    one = torch.zeros(1, dtype=torch.int64)
+    return {
+        "kernel projection": lambda: skinny_linear(x, projection),
+        "dynamic conv": lambda: triton_grouped_dynamic_causal_conv(x, dynamic, base, rows),
+        "conv + RMSNorm": lambda: triton_conv_rms_norm(
+            x, dynamic, base, rows, torch.ones(hidden, dtype=dtype), 1e-6, x
+        ),
+        "top-K": lambda: triton_top_k(torch.zeros(drafts, vocab, dtype=dtype), top_k),
+        "candidate walk": lambda: triton_candidate_walk(
+            torch.zeros(1, drafts, rank, dtype=dtype),
+            torch.zeros(1, drafts, top_k),
+            torch.zeros(1, drafts, top_k, dtype=torch.int64),
+            one,
+            codebook,
+            codebook,
+            torch.zeros(1),
+            one,
+            one,
+            0,
+        ),  # fmt: skip
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--shape", choices=sorted(HEADS), default="qwen3.5-27b")
     p.add_argument("--tiny", action="store_true", help="tiny heads")
-    p.add_argument("--rows", type=int, default=16, help="rows of a verify block (1 + N)")
+    p.add_argument("--rows", type=int, default=16, help="rows of a verify or draft block")
+    p.add_argument("--groups", nargs="+", choices=["gdn", "dflash2"], default=["gdn", "dflash2"])
     args = p.parse_args(argv)
     heads = HEADS["tiny" if args.tiny else args.shape]
+    cases: dict[str, Callable[[], object]] = {}
+    if "gdn" in args.groups:
+        cases |= gdn_cases(heads, 1, args.rows)
+    if "dflash2" in args.groups:
+        cases |= {f"DFlash2 {k}": v for k, v in dflash2_cases(args.rows).items()}
     rows = []
-    for case, launch in gdn_cases(heads, 1, args.rows).items():
+    for case, launch in cases.items():
         with compile_only(args.arch) as compiled:
             launch()
         for name, kernel in compiled:
             use = resources(kernel)
             rows.append([case, name, *use.values()])
     print_table(
-        f"Triton kernels compiled for sm_{args.arch}, {'tiny' if args.tiny else args.shape} "
-        f"heads {heads[:4]}, conv {heads[4]}, bf16 (stack: spilled bytes a thread)",
+        f"Triton kernels compiled for sm_{args.arch}, bf16; Gated DeltaNet heads "
+        f"{heads[:4]}, conv {heads[4]}; stack: spilled bytes a thread",
         ["case", "kernel", "registers", "stack", "shared", "sass"],
         rows,
     )

@@ -521,10 +521,11 @@ def test_gdn_kernel_bench_times_each_kernel_against_its_twin(capsys) -> None:
         gdn_kernel_bench.main(["--tiny", "--rows", "4", "--accepted", "5"])
 
 
-def test_kernel_resources_compiles_the_gdn_kernels_for_a_gpu_without_one() -> None:
-    """The Gated DeltaNet kernels compile for sm_90 on this CPU-only machine (a compile error
-    that the interpreter never sees fails here), each case with its registers, spills and
-    shared memory. Its own process: Triton compiles only where the interpreter is off."""
+def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
+    """The Gated DeltaNet and DFlash2 kernels compile for sm_90 on this CPU-only machine (a
+    compile error that the interpreter never sees fails here), each case with its registers,
+    spills, shared memory and machine-code digest. Its own process: Triton compiles only where
+    the interpreter is off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.kernel_resources", "--tiny", "--rows", "4"],
@@ -533,12 +534,16 @@ def test_kernel_resources_compiles_the_gdn_kernels_for_a_gpu_without_one() -> No
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if "_kernel" in line]
     kernels = [next(w for w in r if w.endswith("_kernel")) for r in rows]
-    assert kernels == [
+    assert kernels[:7] == [
         "_gated_deltanet_decode_kernel",
         "_gated_deltanet_verify_kernel",
         *["_gated_deltanet_verify_chunk_kernel"] * 4,
         "_gated_deltanet_commit_kernel",
     ], out.stdout
+    dflash2 = ["_skinny_matmul_kernel", "_dynamic_conv_kernel", "_conv_rms_norm_kernel",
+               "_group_max_kernel", "_top_k_groups_kernel", "_candidate_table_kernel",
+               "_candidate_path_kernel"]  # fmt: skip
+    assert kernels[7:] == dflash2, out.stdout
     for r in rows:
         registers, stack, shared = map(int, r[-4:-1])
         assert 0 < registers <= 255 and stack >= 0 and shared >= 0, r
