@@ -32,13 +32,16 @@ def _round_interpreted_bf16_casts_to_nearest() -> None:
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    truncating_cast = builder.cast_impl
+    truncating_cast = getattr(builder, "cast_impl", None)
+    if truncating_cast is None:  # another Triton: its casts as they are
+        return
 
     def cast_impl(self, src, dst_type):  # noqa: ANN001, ANN202 (the interpreter's signature)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            rounded = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16)
-            bits = rounded.view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, tl.bfloat16)
+            values = np.array(src.data, dtype=np.float32)  # a contiguous copy, scalars kept 0-d
+            rounded = torch.from_numpy(values).to(torch.bfloat16)
+            return interpreter.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16),
+                                            tl.bfloat16)  # fmt: skip
         return truncating_cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl
