@@ -23,7 +23,7 @@ def _round_interpreted_bf16_casts_to_nearest() -> None:
     """Make the interpreter's float32 -> bfloat16 casts round to nearest even, as the GPU's do.
 
     Triton's interpreter truncates them: errors of one sign that a norm can blow up (a
-    near-cancelling Gated DeltaNet head came out 14x further from float32 than torch's same
+    near-cancelling Gated DeltaNet head came out 9x further from float32 than torch's same
     roundings), so a kernel compared with its torch twin failed now and then on CPU only."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
