@@ -98,7 +98,6 @@ class CUDAGraphRunner:
         device: torch.device,
         pool: object | None = None,
         linear_state: bool = False,  # a hybrid target: its requests' state slots are inputs
-        segment_after_layers: tuple[int, ...] | None = None,  # None: SEGMENT_AFTER_LAYERS
     ) -> None:
         self.forward, self.query_len, self.block_size = forward, query_len, block_size
         self.batch_sizes = sorted(batch_sizes)
@@ -114,9 +113,6 @@ class CUDAGraphRunner:
         # Positions of padded requests (0 .. q-1 each), made once instead of on every replay.
         self.pad_positions = torch.arange(query_len, **i64).repeat(self.batch_sizes[-1])
         self.pool = pool
-        self.segment_after_layers = (
-            SEGMENT_AFTER_LAYERS if segment_after_layers is None else segment_after_layers
-        )
         self.graphs: dict[int, tuple[SegmentedGraph | EagerGraph, object]] = {}
         # Hybrid targets: each request's state slot and whether it starts fresh (padded
         # requests use the spare last slot). A graph of one-row steps decodes, one of more
@@ -157,7 +153,7 @@ class CUDAGraphRunner:
                 continue
             self._eager(batch, args)  # warm-up outside the graph (lazy init, autotuning)
             meta = self._meta(batch)
-            graph = SegmentedGraph(self.pool, self.segment_after_layers)
+            graph = SegmentedGraph(self.pool, SEGMENT_AFTER_LAYERS)
             meta.after_layer = graph.cut
             with graph, forward_context(meta):
                 out = self.forward(*args)
