@@ -20,6 +20,19 @@ __all__ = ["recurrent_gated_delta_rule_pool_torch", "triton_recurrent_gated_delt
 
 
 @triton.jit
+def _gate_inputs(
+    b,  # a step's b (or [BT] steps'), the projection's dtype
+    a,  # and a
+    neg_a,  # float32 -exp(A_log) of the head
+    dt_bias,  # float32
+):
+    """(g, beta) in float32: the log decay and the sigmoid of b rounded to b's dtype."""
+    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+    a_f = a.to(tl.float32) + dt_bias
+    return neg_a * tl.where(a_f > 20.0, a_f, tl.log(1.0 + tl.exp(a_f))), beta
+
+
+@triton.jit
 def _delta_step(
     state,  # [BK, BV] float32
     q,  # [BK] float32, not yet normalised

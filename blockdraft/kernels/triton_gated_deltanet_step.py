@@ -23,6 +23,7 @@ import triton.language as tl
 
 from blockdraft.kernels.gated_delta_rule import gated_deltanet_decode_torch
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
+from blockdraft.kernels.triton_gated_delta_rule import _gate_inputs
 
 __all__ = ["gated_deltanet_decode_torch", "triton_gated_deltanet_decode"]
 
@@ -141,11 +142,10 @@ def _gated_deltanet_decode_kernel(
         _shift_conv_state(row_ptr, conv_slot_ptr, k_ch, mask_k, keep, conv_dim, K, KP)
 
     b = tl.load(ba_ptr + seq * stride_ba + head)
-    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
-    a = tl.load(ba_ptr + seq * stride_ba + Hv + head).to(tl.float32)
-    a = a + tl.load(dt_bias_ptr + head).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
-    decay = tl.exp(-tl.exp(tl.load(a_log_ptr + head).to(tl.float32)) * softplus)
+    a = tl.load(ba_ptr + seq * stride_ba + Hv + head)
+    dt_bias = tl.load(dt_bias_ptr + head).to(tl.float32)
+    g, beta = _gate_inputs(b, a, -tl.exp(tl.load(a_log_ptr + head).to(tl.float32)), dt_bias)
+    decay = tl.exp(g)
 
     state_head_ptr = state_ptr + (slot * Hv + head) * Dk * Dv
     out_head_ptr = out_ptr + (seq * Hv + head) * Dv

@@ -38,7 +38,7 @@ from blockdraft.kernels.gated_deltanet_verify import (
     gated_deltanet_verify_torch,
 )
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
-from blockdraft.kernels.triton_gated_delta_rule import _delta_step
+from blockdraft.kernels.triton_gated_delta_rule import _delta_step, _gate_inputs
 
 __all__ = [
     "gated_deltanet_commit_torch",
@@ -209,19 +209,6 @@ def _state_slice_ptrs(
     """[BK, BV] pointers to the program's slice of its slot's state."""
     head_ptr = state_ptr + (slot * Hv + head) * Dk * Dv
     return head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
-
-
-@triton.jit
-def _gate_inputs(
-    b,  # a step's b (or [BT] steps'), the projection's dtype
-    a,  # and a
-    neg_a,  # float32 -exp(A_log) of the head
-    dt_bias,  # float32
-):
-    """(g, beta) in float32: the log decay and the sigmoid of b rounded to b's dtype."""
-    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
-    a_f = a.to(tl.float32) + dt_bias
-    return neg_a * tl.where(a_f > 20.0, a_f, tl.log(1.0 + tl.exp(a_f))), beta
 
 
 @triton.jit

@@ -42,10 +42,10 @@ import triton.language as tl
 
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from blockdraft.kernels.triton_chunk_gated_delta_rule import _normed
+from blockdraft.kernels.triton_gated_delta_rule import _gate_inputs
 from blockdraft.kernels.triton_gated_deltanet_verify import (
     _block_v,
     _check_verify_shapes,
-    _gate_inputs,
     _gated_norm_when_done,
     _head_channels,
     _rows,
