@@ -60,6 +60,28 @@ def stashes(heads: tuple, slots: int, width: int, device: torch.device, dtype: t
     )
 
 
+def verify_inputs(heads: tuple, batch: int, rows: int, device: torch.device, dtype: torch.dtype):
+    """A verify forward of `batch` blocks of `rows` rows from slots 0..batch-1: projections,
+    weights, pools with stashes, and the block arguments (slots, fresh, rows, lengths)."""
+    projections, weights, pools = layer_inputs(heads, batch * rows, batch + 1, device, dtype)
+    pools = [*pools, *stashes(heads, batch + 1, rows + 1, device, dtype)]
+    block = (
+        torch.arange(batch, device=device),
+        torch.zeros(batch, dtype=torch.bool, device=device),
+        torch.arange(batch * rows, device=device).view(batch, rows),
+        torch.full((batch,), rows, device=device),
+    )
+    return projections, weights, pools, block
+
+
+def twin_and_kernel_us(
+    call: Callable[[Callable, list], object], twin: tuple, kernel: tuple, reps: int
+) -> list[float]:
+    """[twin us, kernel us]: `call(fn, pools)` with each (fn, pools), the twin eagerly, the
+    kernel as graph replays."""
+    return [time_us(lambda: call(*twin), False, reps), time_us(lambda: call(*kernel), True, reps)]
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
@@ -97,30 +119,24 @@ def bench_batch(
     want = gated_deltanet_decode_torch(*projections, *weights, *twin, slots, fresh)
     got = triton_gated_deltanet_decode(*projections, *weights, *kernel, slots, fresh)
     err = max(max_diff(got, want), max_diff(kernel[1], twin[1]))
-    times = [
-        time_us(lambda f=f, p=p: f(*projections, *weights, *p, slots, fresh), graphed, reps)
-        for f, p, graphed in (
-            (gated_deltanet_decode_torch, twin, False),
-            (triton_gated_deltanet_decode, kernel, True),
-        )
-    ]
+    times = twin_and_kernel_us(
+        lambda f, p: f(*projections, *weights, *p, slots, fresh),
+        (gated_deltanet_decode_torch, twin),
+        (triton_gated_deltanet_decode, kernel),
+        reps,
+    )
     results.append(("decode", *times, err))
 
-    projections, weights, pools = layer_inputs(heads, batch * rows, batch + 1, device, dtype)
-    step_rows = torch.arange(batch * rows, device=device).view(batch, rows)
-    lengths = torch.full((batch,), rows, device=device)
-    block = (slots, fresh, step_rows, lengths)
-    twin = [*pools, *stashes(heads, batch + 1, rows + 1, device, dtype)]
+    projections, weights, twin, block = verify_inputs(heads, batch, rows, device, dtype)
     kernel = [p.clone() for p in twin]
     want = gated_deltanet_verify_torch(*projections, *weights, *twin, *block)
     got = triton_gated_deltanet_verify(*projections, *weights, *kernel, *block)
-    times = [
-        time_us(lambda f=f, p=p: f(*projections, *weights, *p, *block), graphed, reps)
-        for f, p, graphed in (
-            (gated_deltanet_verify_torch, twin, False),
-            (triton_gated_deltanet_verify, kernel, True),
-        )
-    ]
+    times = twin_and_kernel_us(
+        lambda f, p: f(*projections, *weights, *p, *block),
+        (gated_deltanet_verify_torch, twin),
+        (triton_gated_deltanet_verify, kernel),
+        reps,
+    )
     results.append((f"verify {rows} rows", *times, max_diff(got, want)))
     for block_v, warps in itertools.product(chunked_block_v, chunked_warps):
         chunked = [p.clone() for p in twin]
@@ -140,13 +156,12 @@ def bench_batch(
     gated_deltanet_commit_torch(hk, *twin, slots, kept)
     triton_gated_deltanet_commit(hk, *kernel, slots, kept)
     err = max_diff(kernel[1], twin[1])
-    times = [
-        time_us(lambda f=f, p=p: f(hk, *p, slots, kept), graphed, reps)
-        for f, p, graphed in (
-            (gated_deltanet_commit_torch, twin, False),
-            (triton_gated_deltanet_commit, kernel, True),
-        )
-    ]
+    times = twin_and_kernel_us(
+        lambda f, p: f(hk, *p, slots, kept),
+        (gated_deltanet_commit_torch, twin),
+        (triton_gated_deltanet_commit, kernel),
+        reps,
+    )
     results.append((f"commit {accepted} rows", *times, err))
     return results
 

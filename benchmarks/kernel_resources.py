@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver, jit  # noqa: E402
 
 from benchmarks.common import DFLASH2_FIELDS, print_table  # noqa: E402
-from benchmarks.gdn_kernel_bench import HEADS, layer_inputs, stashes  # noqa: E402
+from benchmarks.gdn_kernel_bench import HEADS, layer_inputs, verify_inputs  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -122,12 +122,9 @@ def gdn_cases(heads: tuple, batch: int, rows: int) -> dict[str, Callable[[], obj
     )
 
     cpu, dtype = torch.device("cpu"), torch.bfloat16
-    slots = torch.arange(batch)
-    fresh = torch.zeros(batch, dtype=torch.bool)
     decode_inputs = layer_inputs(heads, batch, batch + 1, cpu, dtype)
-    projections, weights, pools = layer_inputs(heads, batch * rows, batch + 1, cpu, dtype)
-    pools = [*pools, *stashes(heads, batch + 1, rows + 1, cpu, dtype)]
-    block = (slots, fresh, torch.arange(batch * rows).view(batch, rows), torch.full((batch,), rows))
+    projections, weights, pools, block = verify_inputs(heads, batch, rows, cpu, dtype)
+    slots, fresh = block[:2]
     verify_args = (*projections, *weights, *pools, *block)
     cases = {
         "decode": lambda: triton_gated_deltanet_decode(
