@@ -46,9 +46,12 @@ def spy_context_writes(llm) -> list[int]:
     return seen
 
 
-def count_calls(monkeypatch, module: object, name: str) -> list[int]:
-    """Wraps `module.name` for the test: the returned list grows by one at each call."""
-    calls: list[int] = []
+def count_calls(
+    monkeypatch, module: object, name: str, calls: list[str] | None = None
+) -> list[str]:
+    """Wraps `module.name` for the test: `name` is appended to the returned list (`calls`, to
+    record several functions in the order they run) at each call."""
+    calls = [] if calls is None else calls
     fn = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or fn(*a, **k))
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(name) or fn(*a, **k))
     return calls

@@ -107,17 +107,11 @@ def test_verify_forward_and_commit_take_the_kernels(
     run (the verify's chunked form with `chunked_gated_deltanet_verify`), and outputs, stash
     and committed states match the step path's. Verify blocks beside a decode row or a
     prefill chunk keep the step path."""
-    calls = []
     verify = (triton_gated_deltanet_verify_chunk, "triton_gated_deltanet_verify_chunked")
     if not chunked:
         verify = (triton_gated_deltanet_verify, "triton_gated_deltanet_verify")
-    for module, name in (verify, (triton_gated_deltanet_verify, "triton_gated_deltanet_commit")):
-        kernel = getattr(module, name)
-
-        def spy(*args, _name=name, _kernel=kernel, **kwargs):
-            return calls.append(_name) or _kernel(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, spy)
+    calls = count_calls(monkeypatch, *verify)
+    count_calls(monkeypatch, triton_gated_deltanet_verify, "triton_gated_deltanet_commit", calls)
     fused = tiny_layer(rng, dtype)
     plain = copy_of(fused, rng, dtype)
     x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
