@@ -251,6 +251,31 @@ def _gated_norm_rows(
 
 
 @triton.jit
+def _verify_program(
+    slots_ptr,  # [S] int64 (-1: the last slot)
+    fresh_ptr,  # [S] bool
+    rows_ptr,  # [S, T] int64 contiguous
+    lengths_ptr,  # [S] int64
+    conv_ptr,  # [num_slots, K - 1, conv_dim] contiguous
+    num_slots,
+    T,
+    conv_dim,
+    K: tl.constexpr,
+):
+    """A verify program's sequence, value head and value block (its grid position), the
+    sequence's slot, whether it continues (not fresh), its length, its rows and its slot's
+    conv state."""
+    seq = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + seq)
+    slot = tl.where(slot < 0, slot + num_slots, slot)
+    keep = tl.load(fresh_ptr + seq) == 0
+    length = tl.load(lengths_ptr + seq)
+    conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
+    return (seq, tl.program_id(1), tl.program_id(2), slot, keep, length, rows_ptr + seq * T,
+            conv_slot_ptr)  # fmt: skip
+
+
+@triton.jit
 def _gated_norm_when_done(
     out_ptr,  # [N, Hv * Dv] contiguous: un-normed core in, gated-normed out
     z_ptr,  # [N, Hv * Dv] row stride stride_z
@@ -330,17 +355,11 @@ def _gated_deltanet_verify_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    block = tl.program_id(2)
     out_ty = out_ptr.dtype.element_ty
     conv_dim = 2 * Hk * Dk + Hv * Dv
-    slot = tl.load(slots_ptr + seq)
-    slot = tl.where(slot < 0, slot + num_slots, slot)
-    keep = tl.load(fresh_ptr + seq) == 0
-    length = tl.load(lengths_ptr + seq)
-    seq_rows_ptr = rows_ptr + seq * T
-    conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
+    seq, head, block, slot, keep, length, seq_rows_ptr, conv_slot_ptr = _verify_program(
+        slots_ptr, fresh_ptr, rows_ptr, lengths_ptr, conv_ptr, num_slots, T, conv_dim, K
+    )
 
     offs_k, mask_k, q_ch, k_ch, offs_v, mask_v, v_ch = _head_channels(
         head, block, groups, Hk, Dk, Dv, BK, BV

@@ -50,6 +50,7 @@ from blockdraft.kernels.triton_gated_deltanet_verify import (
     _head_channels,
     _rows,
     _state_slice_ptrs,
+    _verify_program,
     triton_gated_deltanet_verify,
 )
 
@@ -164,16 +165,10 @@ def _gated_deltanet_verify_chunk_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    block = tl.program_id(2)
     conv_dim = 2 * Hk * Dk + Hv * Dv
-    slot = tl.load(slots_ptr + seq)
-    slot = tl.where(slot < 0, slot + num_slots, slot)
-    keep = tl.load(fresh_ptr + seq) == 0
-    length = tl.load(lengths_ptr + seq)
-    seq_rows_ptr = rows_ptr + seq * T
-    conv_slot_ptr = conv_ptr + slot * (K - 1) * conv_dim
+    seq, head, block, slot, keep, length, seq_rows_ptr, conv_slot_ptr = _verify_program(
+        slots_ptr, fresh_ptr, rows_ptr, lengths_ptr, conv_ptr, num_slots, T, conv_dim, K
+    )
 
     offs_t = tl.arange(0, BT)
     mask_t = offs_t < length
