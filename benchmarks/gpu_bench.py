@@ -273,9 +273,7 @@ def ablate(
             {"engine": engine, "variant": name, "kernel_policy": dataclasses.asdict(policy),
              "extra": extra, "step_ms_batch1": step1, "step_ms_batch8": step8}
         )  # fmt: skip
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        llm.shutdown()
     print_table(
         "step time by kernel variant (ms)",
         ["engine", "variant", "batch 1", "batch 8"],
@@ -508,11 +506,12 @@ def main() -> None:
         "state commit in one more (KernelPolicy.fuse_gated_deltanet_verify)",
     )
     p.add_argument(
-        "--chunked-gdn-verify",
-        action=argparse.BooleanOptionalAction,
+        "--chunked-gdn-verify-min-rows",
+        type=int,
         default=None,
-        help="hybrid targets: that verify kernel in the delta rule's chunked form "
-        "(KernelPolicy.chunked_gated_deltanet_verify)",
+        help="hybrid targets: verify blocks of at least this many rows take that kernel in the "
+        "delta rule's chunked form (KernelPolicy.chunked_gated_deltanet_verify_min_rows; "
+        "17: never)",
     )
     p.add_argument(
         "--async-decode",
@@ -528,6 +527,12 @@ def main() -> None:
         help="PDL in forwards of at most this many query rows a request "
         "(KernelPolicy.pdl_max_query_len; 1: decode forwards only)",
     )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="the engines' share of the GPU (27B shapes on an 80 GB H100 need ~0.97)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     conc_tokens = args.conc_tokens or args.new_tokens
@@ -542,7 +547,7 @@ def main() -> None:
         "pdl_max_query_len": args.pdl_max_query_len,
         "fuse_gated_deltanet_decode": args.fuse_gdn_decode,
         "fuse_gated_deltanet_verify": args.fuse_gdn_verify,
-        "chunked_gated_deltanet_verify": args.chunked_gdn_verify,
+        "chunked_gated_deltanet_verify_min_rows": args.chunked_gdn_verify_min_rows,
     }  # None: the default policy's
     policy = KernelPolicy(**{k: v for k, v in flags.items() if v is not None})
     results: dict = {"hardware": hardware(), "date": time.strftime("%Y-%m-%d")}
@@ -565,6 +570,7 @@ def main() -> None:
         max_num_seqs=max(args.concurrency + args.batches + args.profile_batches),
         async_decode=args.async_decode,
         kernel_policy=policy,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     if args.ablate:
         results["ablation"] = ablate(
@@ -620,8 +626,7 @@ def main() -> None:
     prof_rows = []
     for b in args.profile_batches if args.profile else []:
         prof_rows += profile_steps(ar, prompt, args.steps, f"AR b{b}", batch=b)
-    del ar
-    torch.cuda.empty_cache()
+    ar.shutdown()  # memory back before the next engine sizes its caches
     sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
     sd_steps = {
         b: mean_step_ms(sd, prompt, b, args.steps, log=compiles, phase=f"b. SD step {b}")
@@ -631,8 +636,7 @@ def main() -> None:
     fixed_tau = sd.engine.spec_stats.mean_acceptance_length
     for b in args.profile_batches if args.profile else []:
         prof_rows += profile_steps(sd, prompt, args.steps, f"N=15 b{b}", batch=b)
-    del sd
-    torch.cuda.empty_cache()
+    sd.shutdown()  # memory back before the next engine sizes its caches
     # The default: N by batch size, as users get it.
     auto = dflash_llm(target, drafter, 15, "auto", args.accept, kw)
     results["draft_schedule"] = schedule_text(auto)
@@ -645,8 +649,7 @@ def main() -> None:
     results["auto_step_ms"] = chooser_costs_ms(auto)
     for b in args.profile_batches if args.profile else []:
         prof_rows += profile_steps(auto, prompt, args.steps, f"auto b{b}", batch=b)
-    del auto
-    torch.cuda.empty_cache()
+    auto.shutdown()  # memory back before the next engine sizes its caches
     small_conc: dict[int, float] = {}
     small_tau = float("nan")
     if args.small_block:
@@ -654,8 +657,7 @@ def main() -> None:
         small = dflash_llm(target, drafter, args.small_block - 1, None, args.accept, kw)
         small_conc = by_concurrency(small, f"block {args.small_block} conc", top)
         small_tau = small.engine.spec_stats.mean_acceptance_length
-        del small
-        torch.cuda.empty_cache()
+        small.shutdown()
     results["small_block"] = {
         "block_size": args.small_block,
         "tok_s": small_conc,

@@ -107,11 +107,11 @@ def main() -> None:
     for name, target, drafter in graph_cases:
         eager = generate(target, drafter, prompts, enforce_eager=True)
         check(f"{name}: CUDA graphs = eager", generate(target, drafter, prompts), eager)
-    chunked = KernelPolicy(chunked_gated_deltanet_verify=True)
+    chunked, rows = (KernelPolicy(chunked_gated_deltanet_verify_min_rows=n) for n in (1, None))
     check(
         "hybrid + DFlash: chunked verify = row kernel",
         generate(hybrid, drafters["hybrid"], prompts, kernel_policy=chunked),
-        generate(hybrid, drafters["hybrid"], prompts),
+        generate(hybrid, drafters["hybrid"], prompts, kernel_policy=rows),
     )
     if args.tp > 1 and torch.cuda.device_count() >= args.tp:
         cases = [

@@ -35,6 +35,9 @@ from blockdraft.kernels.gated_delta_rule import (
 # The longest conv the Triton verify kernel takes (it holds the window in registers); layers
 # with longer ones verify through their torch steps.
 MAX_CONV_TAPS = 4
+# The widest verify block the chunked Triton form takes (a published drafter's block, 1 + 15
+# drafts); wider ones take the row kernel (`triton_gated_deltanet_verify_chunk`: why).
+MAX_CHUNK_ROWS = 16
 
 
 def gated_deltanet_verify_torch(

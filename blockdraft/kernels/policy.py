@@ -54,10 +54,14 @@ class KernelPolicy:
     # mixer in one kernel, and the state commit after them in one more per layer (Qwen3.5-27B
     # shapes, DFlash step at batch 1 / 8: 34.9 / 48.0 -> 25.5 / 35.1 ms).
     fuse_gated_deltanet_verify: bool = True
-    # That verify kernel in the delta rule's chunked form (the block's rows as a few matrix
-    # products, `triton_gated_deltanet_verify_chunked`) instead of a serial pass over the rows.
-    # Off until it is timed against the row kernel on a GPU (`benchmarks/gdn_kernel_bench.py`).
-    chunked_gated_deltanet_verify: bool = False
+    # Verify blocks of at least this many rows (and at most MAX_CHUNK_ROWS) take that kernel
+    # in the delta rule's chunked form (the block's rows as a few matrix products,
+    # `triton_gated_deltanet_verify_chunked`) instead of a serial pass over the rows; None: never.
+    # Qwen3.5-27B heads on an H100 (`gdn_kernel_bench`): the row kernel costs ~1.4 / 6 / 22 us
+    # more per row at batch 1 / 8 / 32, the chunked one is ~flat in rows (16 rows: 29 -> 13,
+    # 105 -> 44, 398 -> 179 us); at 4 rows the row kernel is 7-16% faster, at 8 the chunked
+    # 25-33%, so the break-even is ~5 rows.
+    chunked_gated_deltanet_verify_min_rows: int | None = 6
     # A Gated DeltaNet layer's prefill chunks run the chunked rule in two Triton launches
     # (`triton_chunk_gated_delta_rule`) rather than its torch twin, a loop over the chunks'
     # sequences.
@@ -83,3 +87,9 @@ class KernelPolicy:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        rows = self.chunked_gated_deltanet_verify_min_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(
+                "chunked_gated_deltanet_verify_min_rows must be an integer >= 1 or None, "
+                f"got {rows!r}"
+            )

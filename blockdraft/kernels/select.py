@@ -169,28 +169,22 @@ def get_gated_deltanet_decode_backend(
 
 
 def get_gated_deltanet_verify_backend(
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, chunked: bool = False
 ) -> GatedDeltaNetVerifyFn | None:
     """`fn(qkv, b_a, z, conv_weight, a_log, dt_bias, norm_weight, norm_eps, num_k_heads,
     conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, fresh, rows, lengths,
     counters) -> out`: a Gated DeltaNet verify forward's token mixer in one Triton launch (the
-    row kernel, or the chunked form with `chunked_gated_deltanet_verify`); None
-    off the Triton path, where the layer's own torch steps (`gated_deltanet_verify_torch` is
-    what they compute) run."""
-    if use_triton(device):
-        from blockdraft.kernels import (
-            triton_gated_deltanet_verify,
-            triton_gated_deltanet_verify_chunk,
-        )
+    row kernel, or with `chunked` the delta rule's chunked form); None off the Triton path,
+    where the layer's own torch steps (`gated_deltanet_verify_torch` is what they compute) run."""
+    if not use_triton(device):
+        return None
+    if chunked:
+        from blockdraft.kernels import triton_gated_deltanet_verify_chunk
 
-        def verify(*args: object, **kwargs: object) -> torch.Tensor:
-            if current_kernel_policy().chunked_gated_deltanet_verify:
-                chunk = triton_gated_deltanet_verify_chunk
-                return chunk.triton_gated_deltanet_verify_chunked(*args, **kwargs)
-            return triton_gated_deltanet_verify.triton_gated_deltanet_verify(*args, **kwargs)
+        return triton_gated_deltanet_verify_chunk.triton_gated_deltanet_verify_chunked
+    from blockdraft.kernels import triton_gated_deltanet_verify
 
-        return verify
-    return None
+    return triton_gated_deltanet_verify.triton_gated_deltanet_verify
 
 
 def get_gated_deltanet_commit_backend(

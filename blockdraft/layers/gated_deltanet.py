@@ -26,6 +26,8 @@ hold the rank's heads only.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -48,7 +50,11 @@ from blockdraft.kernels.gated_delta_rule import (
     split_heads,
     store_conv_state_torch,
 )
-from blockdraft.kernels.gated_deltanet_verify import MAX_CONV_TAPS, gated_deltanet_commit_torch
+from blockdraft.kernels.gated_deltanet_verify import (
+    MAX_CHUNK_ROWS,
+    MAX_CONV_TAPS,
+    gated_deltanet_commit_torch,
+)
 from blockdraft.kernels.select import (
     GatedDeltaNetDecodeFn,
     GatedDeltaNetVerifyFn,
@@ -150,6 +156,7 @@ class GatedDeltaNet(nn.Module):
         self._chunked = PerDevice(get_chunk_gated_delta_rule_backend)  # Triton on CUDA
         self._fused_decode = PerDevice(get_gated_deltanet_decode_backend)  # Triton on CUDA
         self._fused_verify = PerDevice(get_gated_deltanet_verify_backend)  # Triton on CUDA
+        self._chunked_verify = PerDevice(partial(get_gated_deltanet_verify_backend, chunked=True))
         self._fused_commit = PerDevice(get_gated_deltanet_commit_backend)  # Triton on CUDA
         # Arrivals of a fused launch's programs, left zeroed: per (sequence, key head) in a
         # decode, per (sequence, value head) in a verify.
@@ -243,10 +250,14 @@ class GatedDeltaNet(nn.Module):
             return None
         if step.verify.shape[0] != step.seqs.shape[0]:
             return None
-        if not current_kernel_policy().fuse_gated_deltanet_verify or needs_autograd(qkv):
+        policy = current_kernel_policy()
+        if not policy.fuse_gated_deltanet_verify or needs_autograd(qkv):
             return None
         if self.conv_kernel > MAX_CONV_TAPS:
             return None
+        min_rows = policy.chunked_gated_deltanet_verify_min_rows
+        if min_rows is not None and min_rows <= step.rows.shape[1] <= MAX_CHUNK_ROWS:
+            return self._chunked_verify(qkv.device)
         return self._fused_verify(qkv.device)
 
     def _mix(

@@ -24,6 +24,7 @@ def test_defaults_are_the_measured_ones() -> None:
     assert policy.fuse_silu_mul_into_down and policy.fuse_norm_into_skinny
     assert policy.fuse_kv_store_into_rope and policy.fuse_decode_split_merge
     assert policy.rope_in_attention_max_query_len == 1
+    assert policy.chunked_gated_deltanet_verify_min_rows == 6
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.pdl = False  # type: ignore[misc]
 
@@ -40,6 +41,9 @@ def test_defaults_are_the_measured_ones() -> None:
         ("rope_in_attention_max_query_len", -3),
         ("pdl", 1),
         ("fuse_decode_split_merge", None),
+        ("chunked_gated_deltanet_verify_min_rows", 0),
+        ("chunked_gated_deltanet_verify_min_rows", 8.0),
+        ("chunked_gated_deltanet_verify_min_rows", True),
     ],
 )
 def test_bad_fields_are_named(field: str, value: object) -> None:

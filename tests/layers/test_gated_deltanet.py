@@ -97,16 +97,17 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+# A block of 4 rows takes the chunked form when the policy's minimum is at most 4.
+@pytest.mark.parametrize("min_rows, chunked", [(None, False), (4, True), (5, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_forward_and_commit_take_the_kernels(
-    rng, set_policy, monkeypatch, dtype, chunked
+    rng, set_policy, monkeypatch, dtype, min_rows, chunked
 ) -> None:
     """A forward of two verify blocks (4 and 2 rows, the second a padded request on the spare
     slot) and the commit of 3 rows after it: with `fuse_gated_deltanet_verify` both kernels
-    run (the verify's chunked form with `chunked_gated_deltanet_verify`), and outputs, stash
-    and committed states match the step path's. Verify blocks beside a decode row or a
-    prefill chunk keep the step path."""
+    run (the verify's chunked form when the block has `chunked_gated_deltanet_verify_min_rows`
+    rows), and outputs, stash and committed states match the step path's. Verify blocks beside
+    a decode row or a prefill chunk keep the step path."""
     verify = (triton_gated_deltanet_verify_chunk, "triton_gated_deltanet_verify_chunked")
     if not chunked:
         verify = (triton_gated_deltanet_verify, "triton_gated_deltanet_verify")
@@ -116,7 +117,7 @@ def test_verify_forward_and_commit_take_the_kernels(
     plain = copy_of(fused, rng, dtype)
     x = torch.randn(6, 32, generator=rng).to(DEVICE, dtype)
     verify_block = ([3, -1], [9, 4], [4, 2], [True, True])
-    set_policy(backend="triton", chunked_gated_deltanet_verify=chunked)
+    set_policy(backend="triton", chunked_gated_deltanet_verify_min_rows=min_rows)
     got = run(fused, x, *verify_block)
     fused.commit_verified(torch.tensor([3, -1], device=DEVICE), torch.tensor([3, 0], device=DEVICE))
     set_policy(backend="triton", fuse_gated_deltanet_verify=False)
@@ -129,7 +130,7 @@ def test_verify_forward_and_commit_take_the_kernels(
     torch.testing.assert_close(fused.stash_mixed[3], plain.stash_mixed[3], atol=ulps, rtol=ulps)
     assert torch.equal(fused.conv_state[3], plain.conv_state[3])
     assert_near(fused.recurrent_state[3], plain.recurrent_state[3], dtype, 0.1, 0.002)
-    set_policy(backend="triton", chunked_gated_deltanet_verify=chunked)
+    set_policy(backend="triton", chunked_gated_deltanet_verify_min_rows=min_rows)
     run(fused, x[:5], [3, 0], [12, 2], [1, 4], [False, True])  # beside a decode row
     run(fused, x, [3, 0], [12, 0], [4, 2], [True, False])  # beside a prefill chunk
     assert len(calls) == 2
