@@ -154,6 +154,9 @@ def num_kv_blocks(
         fix = f"raise num_kv_blocks to at least {per_seq} or lower max_model_len"
     else:
         if device.type == "cuda":
+            # Blocks the allocator caches count as free: loading leaves many (fusing a 27B's
+            # projections frees ~22 GB of unfused weights), which the driver's figure misses.
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(device)
             total = torch.cuda.get_device_properties(device).total_memory
             kept = (1 - cfg.gpu_memory_utilization) * total

@@ -101,3 +101,25 @@ def test_cpu_pools_are_zeros_of_their_own(dtype: torch.dtype) -> None:
     assert a.dtype == dtype and a.shape == (3, 4, 2, 8) and not a.any()
     a[1, 2] = 1.5
     assert a.sum().item() == 1.5 * 16 and not b.any()
+
+
+def test_the_allocators_cached_blocks_count_as_free(rng, monkeypatch) -> None:
+    """On CUDA the budget is the driver's free memory after the allocator hands back what it
+    caches (loading frees the unfused projections into its cache), less what
+    gpu_memory_utilization keeps back."""
+    attn = layers(rng, 2)
+    per_block = kv_bytes_per_block(attn, 16, torch.float32)
+    total, cached = 1000 * per_block, int(torch.randint(100, 400, (), generator=rng))
+    driver_free = [300 * per_block]
+
+    def empty_cache() -> None:
+        driver_free[0] += cached * per_block
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (driver_free[0], total))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total)
+    )
+    cfg = config(block_size=16, max_num_seqs=512, gpu_memory_utilization=0.9)
+    got = num_kv_blocks(cfg, attn, torch.device("cuda"), 64, 8)
+    assert got == 300 + cached - 100
