@@ -550,3 +550,34 @@ def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
     digests = [r[-1] for r in rows]
     assert all(len(d) == 10 for d in digests), digests
     assert len(set(digests[2:6])) == 4, digests  # each chunked variant its own machine code
+
+
+def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -> None:
+    """A pass's steps each fall in one kind (admission while requests wait, steps of N drafts
+    with the whole batch or after some finished) and the kinds with the host's share add up to
+    the pass's time."""
+    from benchmarks import conc_probe
+    from benchmarks.common import write_dummy_drafter
+    from benchmarks.gpu_bench import dflash_llm
+    from benchmarks.host_ops import TINY_QWEN3
+    from blockdraft import SamplingParams
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(TINY_QWEN3))
+    drafter = write_dummy_drafter(tmp_path / "drafter", TINY_QWEN3, with_weights=False)
+    kw = dict(load_format="dummy", device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
+    llm = dflash_llm(target, drafter, 3, None, 0.5, kw)  # every request drafts 3
+    prompts = [torch.randint(5, 100, (12,)).tolist() for _ in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 24, 24, 8)]
+    elapsed, records = conc_probe.timed_pass(llm, prompts, params)
+    assert records[0].admitting and records[0].running == 0
+    assert records[-1].running < 4  # a tail: the short request, admitted last, finished first
+    steady = [r for r in records if not r.admitting]
+    assert steady and {r.num_drafts for r in steady} == {3}
+    rows = {row[0]: row[1:] for row in conc_probe.breakdown(elapsed, records, 4)}
+    assert {"admit", "N = 3, full", "host"} <= set(rows) <= {*rows, "N = 3, tail"}
+    assert sum(count for count, *_ in rows.values()) == len(records) + 1
+    assert sum(share for _, _, share, _ in rows.values()) == pytest.approx(100.0)
+    assert rows["host"][1] >= 0
+    llm.shutdown()
