@@ -16,9 +16,12 @@ form at each value block and warp count) and commit kernels at Qwen3.5-27B heads
 small heads); `dflash2`, a DFlash2 drafter step's own kernels at Qwen3-8B shapes (z-lab's
 published fields: conv kernel 2, groups of 16, selector rank 256, top-16): the kernel
 projection's skinny GEMM, the dynamic conv, the conv + residual + RMSNorm, the top-K over the
-vocabulary and the candidate walk, for one block of 16 rows.
+vocabulary and the candidate walk, for one block of 16 rows; `prefill`, the chunked delta
+rule's three kernels (a prefill chunk of Gated DeltaNet layers) for batches of 1, 15, 16 and 33
+sequences. Last, the compiles each kernel took over all cases: the prefill kernels must take
+one for every number of sequences (a new one mid-serving stalls a step for seconds).
 
-    python -m benchmarks.kernel_resources [--arch 90] [--groups gdn dflash2] [--tiny]
+    python -m benchmarks.kernel_resources [--arch 90] [--groups gdn dflash2 prefill] [--tiny]
 """
 
 from __future__ import annotations
@@ -189,13 +192,40 @@ def dflash2_cases(rows: int) -> dict[str, Callable[[], object]]:
     }
 
 
+# Prefill batches of these many sequences: one, and either side of the sequence lookup's tile.
+PREFILL_SEQUENCES = (1, 15, 16, 33)
+
+
+def prefill_cases(heads: tuple) -> dict[str, Callable[[], object]]:
+    """The chunked rule's launches for prefill batches of PREFILL_SEQUENCES sequences of 20
+    tokens, q / k / v as views of one conv output (the layer's strides), bf16, on CPU tensors."""
+    from blockdraft.kernels.triton_chunk_gated_delta_rule import triton_chunk_gated_delta_rule
+
+    hk, hv, dk, dv = heads[:4]
+    dtype = torch.bfloat16
+
+    def launch(p: int) -> object:
+        n = 20 * p
+        mixed = torch.zeros(n, 2 * hk * dk + hv * dv, dtype=dtype)
+        q, k, v = mixed.split((hk * dk, hk * dk, hv * dv), dim=-1)
+        g, beta = torch.zeros(n, hv), torch.zeros(n, hv, dtype=dtype)
+        cu_seqlens = torch.arange(0, n + 1, 20, dtype=torch.int32)
+        return triton_chunk_gated_delta_rule(
+            q.view(n, hk, dk), k.view(n, hk, dk), v.view(n, hv, dv), g, beta,
+            torch.zeros(p, hv, dk, dv), cu_seqlens,
+        )  # fmt: skip
+
+    return {f"prefill, {p} sequences": lambda p=p: launch(p) for p in PREFILL_SEQUENCES}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--shape", choices=sorted(HEADS), default="qwen3.5-27b")
     p.add_argument("--tiny", action="store_true", help="tiny heads")
     p.add_argument("--rows", type=int, default=16, help="rows of a verify or draft block")
-    p.add_argument("--groups", nargs="+", choices=["gdn", "dflash2"], default=["gdn", "dflash2"])
+    groups = ["gdn", "dflash2", "prefill"]
+    p.add_argument("--groups", nargs="+", choices=groups, default=groups)
     args = p.parse_args(argv)
     heads = HEADS["tiny" if args.tiny else args.shape]
     cases: dict[str, Callable[[], object]] = {}
@@ -203,19 +233,24 @@ def main(argv: list[str] | None = None) -> None:
         cases |= gdn_cases(heads, 1, args.rows)
     if "dflash2" in args.groups:
         cases |= {f"DFlash2 {k}": v for k, v in dflash2_cases(args.rows).items()}
+    if "prefill" in args.groups:
+        cases |= prefill_cases(heads)
     rows = []
+    variants: dict[str, set[int]] = {}  # kernel -> its compiled binaries (the JIT's cache hits)
     for case, launch in cases.items():
         with compile_only(args.arch) as compiled:
             launch()
         for name, kernel in compiled:
             use = resources(kernel)
             rows.append([case, name, *use.values()])
+            variants.setdefault(name, set()).add(id(kernel))
     print_table(
         f"Triton kernels compiled for sm_{args.arch}, bf16; Gated DeltaNet heads "
         f"{heads[:4]}, conv {heads[4]}; stack: spilled bytes a thread",
         ["case", "kernel", "registers", "stack", "shared", "sass"],
         rows,
     )
+    print("compiles: " + ", ".join(f"{name} {len(ids)}" for name, ids in variants.items()))
 
 
 if __name__ == "__main__":

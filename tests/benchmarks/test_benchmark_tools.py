@@ -522,17 +522,18 @@ def test_gdn_kernel_bench_times_each_kernel_against_its_twin(capsys) -> None:
 
 
 def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
-    """The Gated DeltaNet and DFlash2 kernels compile for sm_90 on this CPU-only machine (a
-    compile error that the interpreter never sees fails here), each case with its registers,
-    spills, shared memory and machine-code digest. Its own process: Triton compiles only where
-    the interpreter is off."""
+    """The Gated DeltaNet, DFlash2 and chunked-prefill kernels compile for sm_90 on this
+    CPU-only machine (a compile error that the interpreter never sees fails here), each case
+    with its registers, spills, shared memory and machine-code digest. Its own process: Triton
+    compiles only where the interpreter is off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.kernel_resources", "--tiny", "--rows", "4"],
         capture_output=True, text=True, env=env, cwd=Path(__file__).parents[2], timeout=600,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines() if "_kernel" in line]
+    lines = out.stdout.splitlines()
+    rows = [line.split() for line in lines[:-1] if "_kernel" in line]
     kernels = [next(w for w in r if w.endswith("_kernel")) for r in rows]
     assert kernels[:7] == [
         "_gated_deltanet_decode_kernel",
@@ -543,7 +544,17 @@ def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
     dflash2 = ["_skinny_matmul_kernel", "_dynamic_conv_kernel", "_conv_rms_norm_kernel",
                "_group_max_kernel", "_top_k_groups_kernel", "_candidate_table_kernel",
                "_candidate_path_kernel"]  # fmt: skip
-    assert kernels[7:] == dflash2, out.stdout
+    assert kernels[7:14] == dflash2, out.stdout
+    prefill = ["_chunk_prepare_kernel", "_chunk_state_kernel", "_chunk_output_kernel"]
+    assert kernels[14:] == prefill * 4, out.stdout
+    # One compile of each prefill kernel for batches of 1, 15, 16 and 33 sequences: a new
+    # number of sequences compiles nothing in the middle of serving.
+    compiles = dict(
+        entry.rsplit(" ", 1)
+        for entry in out.stdout.splitlines()[-1].removeprefix("compiles: ").split(", ")
+    )
+    assert all(compiles[k] == "1" for k in prefill), compiles
+    assert compiles["_gated_deltanet_verify_chunk_kernel"] == "4", compiles
     for r in rows:
         registers, stack, shared = map(int, r[-4:-1])
         assert 0 < registers <= 255 and stack >= 0 and shared >= 0, r

@@ -20,6 +20,7 @@ from blockdraft.kernels.gated_delta_rule import (
     split_heads,
 )
 from blockdraft.kernels.triton_chunk_gated_delta_rule import (
+    SEQ_TILE,
     chunk_gated_delta_rule_varlen_torch,
     triton_chunk_gated_delta_rule,
 )
@@ -83,6 +84,19 @@ def test_kernel_matches_twin_past_whole_chunks(rng) -> None:
     sequence's first chunk starts on its own state; Dv over several value blocks of both the
     state and the output kernels (a partial last block), Dk under 16 and not a power of two."""
     q, k, v, g, beta, state, cu = packed_inputs(rng, [128, 1, 64], 1, 2, 12, 72, zero=False)
+    want, want_state = chunk_gated_delta_rule_varlen_torch(q, k, v, g, beta, state, cu)
+    got, got_state = triton_chunk_gated_delta_rule(q, k, v, g, beta, state, cu)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(got_state, want_state, atol=ATOL, rtol=1e-4)
+
+
+@needs_triton
+def test_kernel_matches_twin_over_many_sequences(rng) -> None:
+    """More sequences than the chunk-to-sequence lookup reads at once (SEQ_TILE), of random
+    lengths from 1 to 40: every chunk finds its sequence past the first tiles too."""
+    count = SEQ_TILE * 2 + int(torch.randint(1, SEQ_TILE, (), generator=rng))
+    lengths = torch.randint(1, 41, (count,), generator=rng).tolist()
+    q, k, v, g, beta, state, cu = packed_inputs(rng, lengths, 1, 2, 8, 8, zero=False)
     want, want_state = chunk_gated_delta_rule_varlen_torch(q, k, v, g, beta, state, cu)
     got, got_state = triton_chunk_gated_delta_rule(q, k, v, g, beta, state, cu)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
