@@ -28,6 +28,7 @@ from benchmarks.common import TritonCompileLog, now, print_table  # noqa: E402
 from benchmarks.gpu_bench import dflash_llm  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import SamplingParams  # noqa: E402
+from blockdraft.spec_decode.draft_length import ALPHA_BINS  # noqa: E402
 
 
 @dataclass
@@ -36,6 +37,31 @@ class StepRecord:
     running: int  # requests running before the step
     admitting: bool  # requests waiting before it (their prefill runs in it)
     num_drafts: int | None  # the N it drafted; None: a step that recorded none
+    chooser: dict | None = None  # what the draft-length chooser weighed before it (`weighed`)
+
+
+def weighed(engine: object) -> dict | None:
+    """The chooser's inputs for the running batch: its requests' mean alpha (never verified:
+    the prior), the engine-wide prior, cost(b, N) per allowed N and a probe's cost in ms, the
+    probe interval and whether it is calibrating; None for a fixed schedule."""
+    chooser, running = engine.draft_length, engine.scheduler.running
+    if chooser is None or not running or not chooser.schedule.is_adaptive:
+        return None
+    batch, prior = len(running), chooser.prior_alpha
+    bins = [s.acceptance.alpha_bin for s in running]
+    alphas = [b / ALPHA_BINS if b >= 0 else prior for b in bins]
+    allowed = chooser.allowed_by_cap[chooser.schedule.num_drafts(batch)]
+    bucket = chooser.costs.bucket(batch)
+    return {
+        "alpha": sum(alphas) / len(alphas),
+        "prior": prior,
+        "cost_ms": {n: 1e3 * chooser.costs.cost(batch, n) for n in allowed},
+        "measured": [n for n in allowed if chooser.costs.has(batch, n)],
+        "probe_ms": 1e3 * chooser.probe_cost(batch, allowed[1]) if len(allowed) > 1 else None,
+        "probe_interval": chooser.probe_interval,
+        "since_drafting": chooser.steps_since_drafting,
+        "calibrating": chooser.calibrating.get(bucket, 0),
+    }
 
 
 def timed_pass(
@@ -49,11 +75,12 @@ def timed_pass(
     def timed_step() -> list:
         sched, by_n = engine.scheduler, engine.spec_stats.steps_by_num_drafts
         running, admitting, before = len(sched.running), bool(sched.waiting), dict(by_n)
+        chooser = weighed(engine)
         t0 = now()
         out = step()
         ms = (now() - t0) * 1e3
         drafted = [n for n, c in by_n.items() if c != before.get(n, 0)]
-        records.append(StepRecord(ms, running, admitting, drafted[0] if drafted else None))
+        records.append(StepRecord(ms, running, admitting, drafted[0] if drafted else None, chooser))
         return out
 
     engine.step = timed_step  # an instance attribute over the method, removed below

@@ -591,4 +591,11 @@ def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -
     assert sum(count for count, *_ in rows.values()) == len(records) + 1
     assert sum(share for _, _, share, _ in rows.values()) == pytest.approx(100.0)
     assert rows["host"][1] >= 0
+    assert all(r.chooser is None for r in records)  # a fixed N weighs nothing
     llm.shutdown()
+    auto = dflash_llm(target, drafter, 3, "auto", 0.5, kw)
+    _, records = conc_probe.timed_pass(auto, prompts[:3], params[1:])
+    weighed = [r.chooser for r in records if r.running]
+    assert weighed and all(w is not None and 0 <= w["alpha"] <= 1 for w in weighed)
+    assert all(set(w["cost_ms"]) == {0, 1, 2, 3} and w["cost_ms"][0] > 0 for w in weighed)
+    auto.shutdown()
