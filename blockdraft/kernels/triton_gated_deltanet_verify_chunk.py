@@ -28,10 +28,10 @@ tf32x3 (three tensor-core products of split operands, near float32): where keys 
 powers of A grow to thousands (13 equal keys with beta 1 and no decay: A^8 entries of 3,432)
 and cancel back to O(1), which plain tf32 cannot do. Emulated on 16 rows (Dk 128), the output
 is within 1.2e-3 of each row's largest value with random keys and 3.3e-3 with equal ones (a
-bf16 ulp is 3.9e-3; all-tf32 dots: 5.5, i.e. wrong; tf32x3 everywhere: 4.5e-3 but 255
-registers and 112 bytes of spills a thread on sm_90, against 186 and none so). For the same
-reason blocks of more than MAX_CHUNK_ROWS rows go to the row kernel (20 aligned rows came out
-3% off even in float32: A^16's entries reach ~10^4).
+bf16 ulp is 3.9e-3; all-tf32 dots: 5.5, i.e. wrong; tf32x3 everywhere: 4.5e-3 but, at 32
+value dims, 255 registers and 112 bytes of spills a thread on sm_90, against 186 and none so).
+For the same reason blocks of more than MAX_CHUNK_ROWS rows go to the row kernel (20 aligned
+rows came out 3% off even in float32: A^16's entries reach ~10^4).
 """
 
 from __future__ import annotations
