@@ -43,7 +43,8 @@ class StepRecord:
 def weighed(engine: object) -> dict | None:
     """The chooser's inputs for the running batch: its requests' mean alpha (never verified:
     the prior), the engine-wide prior, cost(b, N) per allowed N and a probe's cost in ms, the
-    probe interval and whether it is calibrating; None for a fixed schedule."""
+    rates it compares (tokens a second, drafting's margin included), the probe interval and
+    whether it is calibrating; None for a fixed schedule."""
     chooser, running = engine.draft_length, engine.scheduler.running
     if chooser is None or not running or not chooser.schedule.is_adaptive:
         return None
@@ -56,6 +57,7 @@ def weighed(engine: object) -> dict | None:
         "alpha": sum(alphas) / len(alphas),
         "prior": prior,
         "cost_ms": {n: 1e3 * chooser.costs.cost(batch, n) for n in allowed},
+        "tokens_per_s": chooser.expected_rates((s.acceptance for s in running), batch),
         "measured": [n for n in allowed if chooser.costs.has(batch, n)],
         "probe_ms": 1e3 * chooser.probe_cost(batch, allowed[1]) if len(allowed) > 1 else None,
         "probe_interval": chooser.probe_interval,

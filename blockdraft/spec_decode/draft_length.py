@@ -315,17 +315,8 @@ class DraftLengthChooser:
             return 0
         if (explored := self._continue_exploring(batch, allowed)) is not None:
             return explored
-        prior_bin = round(self.prior_alpha * ALPHA_BINS)
-        counts: dict[int, int] = {}
-        for e in estimates:
-            b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
-            counts[b] = counts.get(b, 0) + 1
-        rates = {}
-        for n in allowed:
-            tokens = self._batch_tokens(counts, n)
-            # Drafting must beat plain decoding by a margin: step costs are measured, and
-            # noise alone must not keep a batch drafting when nothing is accepted.
-            rates[n] = tokens / self.costs.cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
+        counts = self._alpha_counts(estimates)
+        rates = self._rates(counts, batch, allowed)
         best = max(allowed, key=lambda n: (rates[n], -n))
         if rates[best] <= 0.0:
             best = 0
@@ -356,6 +347,36 @@ class DraftLengthChooser:
         self.probe_timing = (batch, PROBE_SPAN, 0.0)
         self.ramp = probe
         return probe
+
+    def _alpha_counts(self, estimates: Iterable[AcceptanceEstimate]) -> dict[int, int]:
+        """Requests by alpha bin (never verified: the engine-wide prior's)."""
+        prior_bin = round(self.prior_alpha * ALPHA_BINS)
+        counts: dict[int, int] = {}
+        for e in estimates:
+            b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
+            counts[b] = counts.get(b, 0) + 1
+        return counts
+
+    def _rates(
+        self, counts: dict[int, int], batch: int, allowed: tuple[int, ...]
+    ) -> dict[int, float]:
+        """Expected tokens a second of the batch at each allowed N; drafting must beat plain
+        decoding by a margin (step costs are measured, and noise alone must not keep a batch
+        drafting when nothing is accepted)."""
+        return {
+            n: self._batch_tokens(counts, n)
+            / self.costs.cost(batch, n)
+            / (1.0 + MIN_DRAFT_GAIN * (n > 0))
+            for n in allowed
+        }
+
+    def expected_rates(
+        self, estimates: Iterable[AcceptanceEstimate], batch: int
+    ) -> dict[int, float]:
+        """What `choose` weighs for this batch, without choosing: tokens a second at each N
+        its batch size allows (for benchmarks and traces)."""
+        allowed = self.allowed_by_cap[self.schedule.num_drafts(batch)]
+        return self._rates(self._alpha_counts(estimates), batch, allowed)
 
     def _explore(self, batch: int, best: int, rates: dict[int, float]) -> int:
         """`best`, or an untimed N to explore (`CUDA_EXPLORE_MARGIN`), whose first step this

@@ -598,4 +598,5 @@ def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -
     weighed = [r.chooser for r in records if r.running]
     assert weighed and all(w is not None and 0 <= w["alpha"] <= 1 for w in weighed)
     assert all(set(w["cost_ms"]) == {0, 1, 2, 3} and w["cost_ms"][0] > 0 for w in weighed)
+    assert all(set(w["tokens_per_s"]) == set(w["cost_ms"]) for w in weighed)
     auto.shutdown()

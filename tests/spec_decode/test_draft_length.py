@@ -294,7 +294,8 @@ def rate(chooser: DraftLengthChooser, alphas: list[float], batch: int, n: int) -
 
 def test_choice_maximises_expected_tokens_per_second(rng) -> None:
     """On random cost tables and per-request alphas (set through the estimate), the chosen N
-    is within the alpha grid's rounding of the best rate, and never a probe here."""
+    is within the alpha grid's rounding of the best rate, and never a probe here; the rates
+    `expected_rates` reports are the ones the choice maximises."""
     r = py_random(rng)
     for _ in range(200):
         chooser = chooser_with_costs(r, range(1, 17), r.uniform(0, 1), r.uniform(0, 0.5))
@@ -303,10 +304,14 @@ def test_choice_maximises_expected_tokens_per_second(rng) -> None:
         for e in estimates:
             e.alpha_bin = r.randint(0, ALPHA_BINS)
         alphas = [e.alpha_bin / ALPHA_BINS for e in estimates]
+        weighed = chooser.expected_rates(estimates, batch)  # what choose compares, unchosen
         n = chooser.choose(estimates, batch)
         assert rate(chooser, alphas, batch, n) == pytest.approx(
             brute_force(chooser, alphas, batch), rel=1e-9
         )
+        allowed = chooser.schedule.allowed(chooser.schedule.num_drafts(batch))
+        assert set(weighed) == set(allowed) and weighed[n] == max(weighed.values())
+        assert all(weighed[m] == pytest.approx(rate(chooser, alphas, batch, m)) for m in allowed)
 
 
 def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
