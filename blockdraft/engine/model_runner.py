@@ -16,6 +16,7 @@ from blockdraft.kernels.forward_context import (
     build_linear_metadata,
     forward_context,
 )
+from blockdraft.kernels.host_tensors import host_int64, int64_tensors
 from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
 from blockdraft.runtime.commit_graphs import CommitGraphs
@@ -23,8 +24,6 @@ from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
 from blockdraft.runtime.host_batch import (
     build_attention_metadata,
     flat_slots,
-    host_int64,
-    int64_tensors,
     padded_block_tables,
 )
 from blockdraft.runtime.sampling_cache import SamplingTensorCache

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.engine.sequence import Sequence
-from blockdraft.runtime.host_batch import int64_tensors
+from blockdraft.kernels.host_tensors import int64_tensors
 
 
 def window_pages_per_seq(window: int, lookahead: int, block_size: int) -> int:

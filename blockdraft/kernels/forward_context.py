@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from blockdraft.kernels.host_tensors import int64_tensors
 from blockdraft.kernels.policy import KernelPolicy
 
 PAD_SLOT_ID = -1
@@ -96,12 +97,8 @@ class PrefillBatch:
                 out += range(offset, offset + n)
                 state += range(offset + n, offset + n + kept)
                 offset += kept + n
-            device = self.rows.device
-            self._windows[kept] = (
-                torch.tensor(window, device=device),
-                torch.tensor(out, device=device),
-                torch.tensor(state, device=device).view(num, kept),
-            )
+            window_t, out_t, state_t = int64_tensors(self.rows.device, window, out, state)
+            self._windows[kept] = (window_t, out_t, state_t.view(num, kept))
         return self._windows[kept]
 
 
@@ -144,25 +141,24 @@ def build_linear_metadata(
         src = [j * width + t for j, n in enumerate(lens) for t in range(n)]
         dst = [starts[i] + t for i, n in zip(stepped, lens, strict=True) for t in range(n)]
         v_rows = [j for j, i in enumerate(stepped) if verify[i]]
-        device = state_slots.device
-
-        def tensor(values: list) -> torch.Tensor:
-            return torch.tensor(values, device=device)
-
+        write = [int(not verify[i]) for i in stepped]
+        seqs_t, rows_t, lens_t, write_t, v_rows_t, src_t, dst_t = int64_tensors(
+            state_slots.device, stepped, rows, lens, write, v_rows, src, dst
+        )
         step = StepBatch(
-            tensor(stepped), tensor(rows).view(len(stepped), width), tensor(lens),
-            tensor([not verify[i] for i in stepped]), tensor(v_rows) if v_rows else None,
-            tensor(src), tensor(dst),
+            seqs_t, rows_t.view(len(stepped), width), lens_t, write_t.bool(),
+            v_rows_t if v_rows else None, src_t, dst_t,
         )  # fmt: skip
     packed = None
     if prefill:
-        device = state_slots.device
-        seqs = torch.tensor([i for i, _, _ in prefill], device=device)
-        rows = torch.tensor([r for _, first, n in prefill for r in range(first, first + n)],
-                            device=device)  # fmt: skip
         cu = [0, *itertools.accumulate(n for _, _, n in prefill)]
-        cu_seqlens = torch.tensor(cu, dtype=torch.int32, device=device)
-        packed = PrefillBatch(prefill, seqs, rows, cu_seqlens, cu)
+        seqs_t, rows_t, cu_t = int64_tensors(
+            state_slots.device,
+            [i for i, _, _ in prefill],
+            [r for _, first, n in prefill for r in range(first, first + n)],
+            cu,
+        )
+        packed = PrefillBatch(prefill, seqs_t, rows_t, cu_t.to(torch.int32), cu)
     return LinearStateMetadata(state_slots, fresh, prefill, step, packed)
 
 

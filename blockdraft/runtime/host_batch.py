@@ -3,32 +3,10 @@ built from the scheduler's lists, and the attention metadata of an eager forward
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from blockdraft.kernels.forward_context import AttentionMetadata
-
-
-def host_int64(values: list, pinned: bool = False) -> torch.Tensor:  # [n] or [rows, cols] int64
-    """A host int64 tensor from a (nested) list of ints. Through numpy: `torch.tensor` on a
-    list converts element by element, several times slower on the per-step inputs. `pinned`
-    (for a CUDA destination): a copy from page-locked memory never waits for the GPU, while
-    one from pageable memory may wait for the work queued before it (the step's forwards)."""
-    host = torch.from_numpy(np.array(values, dtype=np.int64))
-    return host.pin_memory() if pinned else host
-
-
-def int64_tensors(device: torch.device, *parts: list[int]) -> list[torch.Tensor]:
-    """Several int64 vectors built as one host tensor and moved in one copy, returned as views:
-    each separate `torch.tensor(..., device=cuda)` would pay its own build and transfer. Each
-    view starts 16-byte aligned (parts padded to even lengths): Triton specialises a kernel on
-    its pointers' 16-byte alignment, so a view after an odd-length part would compile another
-    variant of every kernel reading it, in the middle of serving."""
-    sizes = [len(p) for p in parts]
-    padded = [n + n % 2 for n in sizes]
-    values = [v for part in parts for v in [*part, *[0] * (len(part) % 2)]]
-    flat = host_int64(values, pinned=device.type == "cuda").to(device, non_blocking=True)
-    return [view[:n] for view, n in zip(flat.split(padded), sizes, strict=True)]
+from blockdraft.kernels.host_tensors import host_int64
 
 
 def slots_for_positions(block_table: list[int], positions: range, block_size: int) -> list[int]:

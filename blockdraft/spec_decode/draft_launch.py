@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdraft.kernels.dflash_inputs import DFlashInputs
-from blockdraft.runtime.host_batch import int64_tensors, padded_block_tables
+from blockdraft.kernels.host_tensors import int64_tensors
+from blockdraft.runtime.host_batch import padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from blockdraft.kernels.host_tensors import int64_tensors
 from blockdraft.layers.sampler import SamplingTensors
-from blockdraft.runtime.host_batch import int64_tensors
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.rejection_sampler import rejection_sample

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from blockdraft.runtime.host_batch import int64_tensors
+from blockdraft.kernels.host_tensors import int64_tensors
 
 
 def test_int64_tensors(py_rng: random.Random) -> None:

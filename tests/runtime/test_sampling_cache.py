@@ -7,7 +7,7 @@ import torch
 
 from blockdraft import SamplingParams
 from blockdraft.engine.sequence import Sequence
-from blockdraft.runtime.host_batch import int64_tensors
+from blockdraft.kernels.host_tensors import int64_tensors
 from blockdraft.runtime.sampling_cache import SamplingTensorCache, sampling_tensors
 
 
