@@ -600,3 +600,27 @@ def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -
     assert all(set(w["cost_ms"]) == {0, 1, 2, 3} and w["cost_ms"][0] > 0 for w in weighed)
     assert all(set(w["tokens_per_s"]) == set(w["cost_ms"]) for w in weighed)
     auto.shutdown()
+
+
+def test_sync_points_names_the_innermost_blockdraft_frame(monkeypatch) -> None:
+    """A synchronising call is charged to the innermost blockdraft frame (not torch's), with
+    the outermost blockdraft method it ran under; the tool refuses to run without a GPU."""
+    from traceback import FrameSummary
+
+    from benchmarks import sync_points
+
+    pkg = sync_points.PACKAGE
+    stack = [
+        FrameSummary("/usr/lib/python3/runpy.py", 88, "_run_code"),
+        FrameSummary(f"{pkg}engine/llm_engine.py", 176, "step"),
+        FrameSummary(f"{pkg}kernels/forward_context.py", 150, "tensor"),
+        FrameSummary("/site-packages/torch/_tensor.py", 10, "__torch_function__"),
+    ]
+    assert sync_points.call_site(stack) == ("kernels/forward_context.py:150 tensor (under step)")
+    assert sync_points.call_site(stack[1:2]) == "engine/llm_engine.py:176 step"
+    assert sync_points.call_site(stack[:1]) == "outside blockdraft"
+    labels = [label for label, _ in sync_points.engines(0.8)]
+    assert labels == ["AR decode", "DFlash, N = 7", "DFlash, N = 0"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        sync_points.main([])
