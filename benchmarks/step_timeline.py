@@ -49,8 +49,9 @@ def host_calls_in(host: list[dict], start: float, end: float, top: int = 6) -> l
             break
         o = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
         if o > 0:
-            overlap.append((round(o, 1), e["dur"], e["name"][:70]))
-    overlap.sort(key=lambda t: (-t[0], t[1]))
+            overlap.append((o, e["dur"], e["name"][:70]))
+    # Overlaps within 0.1 us are equal (then innermost first); each is printed rounded once.
+    overlap.sort(key=lambda t: (-round(t[0], 1), t[1]))
     return [f"{o:.0f} us {name}" for o, _, name in overlap[:top]]
 
 
