@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockdraft.kernels.host_tensors import host_tensors, int64_tensors
 from blockdraft.kernels.select import get_exponential_race_backend
 
 
@@ -58,13 +59,19 @@ class SamplingTensors:
         if any(not 0 <= s < 2**63 for s in seed):
             raise ValueError("seed must be in [0, 2**63)")
         sampled = [t > 0 for t in temperature]
+        # One page-locked copy per dtype: a tensor from a list would wait for the GPU.
+        device = torch.device(device)
+        temperatures, top_ps, min_ps = host_tensors(
+            device, torch.float32, temperature, top_p, min_p
+        )
+        top_ks, seeds, positions = int64_tensors(device, top_k, seed, position)
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seed=torch.tensor(seed, dtype=torch.int64, device=device),
-            position=torch.tensor(position, dtype=torch.int64, device=device),
+            temperature=temperatures,
+            top_k=top_ks,
+            top_p=top_ps,
+            min_p=min_ps,
+            seed=seeds,
+            position=positions,
             all_greedy=not any(sampled),
             any_greedy=not all(sampled),
             uses_top_k_top_p=any(

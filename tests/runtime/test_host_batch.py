@@ -1,10 +1,10 @@
-"""`blockdraft.runtime.host_batch`: host lists packed into aligned int64 views."""
+"""Host lists packed into aligned device views (`blockdraft.kernels.host_tensors`)."""
 
 import random
 
 import torch
 
-from blockdraft.kernels.host_tensors import int64_tensors
+from blockdraft.kernels.host_tensors import host_tensors, int64_tensors
 
 
 def test_int64_tensors(py_rng: random.Random) -> None:
@@ -17,3 +17,16 @@ def test_int64_tensors(py_rng: random.Random) -> None:
     # 16-byte aligned views whatever the lengths before them (odd ones included): Triton
     # specialises kernels on pointer alignment.
     assert all(v.data_ptr() % 16 == 0 for v in views)
+
+
+def test_float32_tensors_are_aligned_views_of_one_copy(py_rng: random.Random) -> None:
+    """Float32 parts of any length (1-3 elements leave a view unaligned unless padded): each
+    view 16-byte aligned, values as float32 rounds them, all views of one buffer."""
+    parts = [[py_rng.uniform(-2, 2) for _ in range(py_rng.randrange(1, 6))] for _ in range(4)]
+    parts[1] = parts[1][:1]
+    views = host_tensors(torch.device("cpu"), torch.float32, *parts)
+    want = [torch.tensor(p, dtype=torch.float32) for p in parts]
+    assert all(torch.equal(v, w) for v, w in zip(views, want, strict=True))
+    assert all(v.dtype == torch.float32 and v.data_ptr() % 16 == 0 for v in views)
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in views)
