@@ -280,11 +280,13 @@ class LLMEngine:
         ahead is read back (after the next one is launched, if it drafts nothing too)."""
         t0 = time.perf_counter()
         chunks, result = self.decode_pipeline.advance()
+        pipelined = self.decode_pipeline.inflight is not None  # the next step launched ahead
         outputs = self._process_step(chunks, result, None)
         self.decode_pipeline.drop_finished_rows()
         if chunks:
             self.spec_stats.record_step(0)
-            self.draft_length.record_if_uniform(chunks, 0, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            self.draft_length.record_if_uniform(chunks, 0, seconds, pipelined)
         return outputs
 
     @property

@@ -263,11 +263,17 @@ class DraftLengthChooser:
         if not num_drafts:
             self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
 
-    def record_if_uniform(self, chunks: list, num_drafts: int, seconds: float) -> None:
+    def record_if_uniform(
+        self, chunks: list, num_drafts: int, seconds: float, pipelined: bool = True
+    ) -> None:
         """A step's wall time (every step's, in order), kept when the step was uniform (no
         prefill; every chunk verified and proposed `num_drafts`) and steady (STEADY_AFTER
         uniform steps of its batch and N before it): only then is it cost(batch, N). The steps
-        of a probe's span time the probe instead."""
+        of a probe's span time the probe instead. `pipelined=False`: a step launched ahead
+        that launched none after it (async decode's pipeline drains before a drafting step):
+        its device work ran during the step before, so its own time is no step's cost (0.2-0.5
+        ms against a steady 25.6 on an H100 with the 27B shape; a few such in a bucket's
+        window made plain decoding look 100x cheaper in a batch's tail)."""
         if self.probe_timing is not None:
             self._time_probe(seconds)
             self.uniform_run = (0, 0, 0)
@@ -280,7 +286,7 @@ class DraftLengthChooser:
         batch, n, count = self.uniform_run
         count = count + 1 if (batch, n) == (len(chunks), num_drafts) else 1
         self.uniform_run = (len(chunks), num_drafts, count)
-        if count > STEADY_AFTER:
+        if count > STEADY_AFTER and pipelined:
             self.record_step(len(chunks), num_drafts, seconds)
 
     def _time_probe(self, seconds: float) -> None:

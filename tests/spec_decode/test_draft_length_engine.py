@@ -304,3 +304,33 @@ def test_steps_at_n0_launched_ahead_keep_the_sampled_tokens(pairs, rng) -> None:
     assert runs[0] == runs[1]
     ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6, max_tokens=12)
     assert_same_token_law(ar, runs[1], (3, 7, 11))
+
+
+def test_a_drained_pipelines_last_step_is_no_cost_sample(pairs, rng) -> None:
+    """Async decode: the last N = 0 step launched ahead before a drafting step launches none
+    after it (the pipeline drains); its device work ran during the step before, so its time is
+    not taken as a plain decode step's cost. Every N = 0 sample comes from a step that kept the
+    pipeline full, and drains did happen."""
+    target, drafter = pairs["random"]
+    prompts = random_prompts(target, rng, 3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = auto_llm(drafter, target, async_decode=True)
+    chooser = llm.engine.draft_length
+    choose_in_runs(llm, random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))))
+    calls: list[tuple[int, bool]] = []  # (N, pipelined) of each step the chooser was given
+    samples: list[tuple[int, bool]] = []  # (N, that step's pipelined) of each cost sample
+    record_if_uniform, record_step = chooser.record_if_uniform, chooser.record_step
+
+    def spy_step_time(chunks, num_drafts, seconds, pipelined=True) -> None:
+        calls.append((num_drafts, pipelined))
+        record_if_uniform(chunks, num_drafts, seconds, pipelined)
+
+    def spy_sample(batch, num_drafts, seconds) -> None:
+        samples.append((num_drafts, calls[-1][1]))
+        record_step(batch, num_drafts, seconds)
+
+    chooser.record_if_uniform, chooser.record_step = spy_step_time, spy_sample
+    llm.generate(prompts, params, use_tqdm=False)
+    assert (0, False) in calls  # drains
+    assert any(n == 0 for n, _ in samples)
+    assert all(pipelined for _, pipelined in samples), samples
