@@ -270,10 +270,11 @@ class DraftLengthChooser:
         prefill; every chunk verified and proposed `num_drafts`) and steady (STEADY_AFTER
         uniform steps of its batch and N before it): only then is it cost(batch, N). The steps
         of a probe's span time the probe instead. `pipelined=False`: a step launched ahead
-        that launched none after it (async decode's pipeline drains before a drafting step):
-        its device work ran during the step before, so its own time is no step's cost (0.2-0.5
-        ms against a steady 25.6 on an H100 with the 27B shape; a few such in a bucket's
-        window made plain decoding look 100x cheaper in a batch's tail)."""
+        that launched none after it (async decode's pipeline drains before a drafting step or
+        when a request finishes): its device work ran during the step before, so its own time
+        is no step's cost (0.2-0.5 ms against a steady 25.6 on an H100 with the 27B shape; a
+        few such in a bucket's window made plain decoding look ~50x cheaper in a batch's
+        tail)."""
         if self.probe_timing is not None:
             self._time_probe(seconds)
             self.uniform_run = (0, 0, 0)
