@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.steps):
                 engine.step()
         rows += [[label, site, count / args.steps] for site, count in sites.most_common()]
-        rows += [] if sites else [[label, "none", 0.0]]
+        if not sites:
+            rows.append([label, "none", 0.0])
         llm.shutdown()
     print_table(
         f"{args.shape}, batch {args.batch}: synchronising calls a step ({args.steps} steps)",

@@ -37,7 +37,7 @@ def host_tensors(device: torch.device, dtype: torch.dtype, *parts: list) -> list
     Triton specialises a kernel on its pointers' 16-byte alignment, so a view after an
     odd-length part would compile another variant of every kernel reading it, in the middle of
     serving."""
-    per = 16 // torch.empty((), dtype=dtype).element_size()  # elements in 16 bytes
+    per = 16 // dtype.itemsize  # elements in 16 bytes
     sizes = [len(p) for p in parts]
     padded = [-(-n // per) * per for n in sizes]
     values = np.zeros(sum(padded), dtype=NUMPY_DTYPES[dtype])
