@@ -18,8 +18,10 @@ published fields: conv kernel 2, groups of 16, selector rank 256, top-16): the k
 projection's skinny GEMM, the dynamic conv, the conv + residual + RMSNorm, the top-K over the
 vocabulary and the candidate walk, for one block of 16 rows; `prefill`, the chunked delta
 rule's three kernels (a prefill chunk of Gated DeltaNet layers) for batches of 1, 15, 16 and 33
-sequences. Last, the compiles each kernel took over all cases: the prefill kernels must take
-one for every number of sequences (a new one mid-serving stalls a step for seconds).
+sequences, and the padded recurrence of the decode rows and verify blocks beside them at 1, 5
+and 16 rows. Last, the compiles each kernel took over all cases: the prefill kernels must take
+one for every number of sequences and the recurrence one for every width (a new one
+mid-serving stalls a step for seconds).
 
     python -m benchmarks.kernel_resources [--arch 90] [--groups gdn dflash2 prefill] [--tiny]
 """
@@ -218,6 +220,37 @@ def prefill_cases(heads: tuple) -> dict[str, Callable[[], object]]:
     return {f"prefill, {p} sequences": lambda p=p: launch(p) for p in PREFILL_SEQUENCES}
 
 
+# A mixed step's padded recurrence (decode rows and verify blocks beside a prefill): its width
+# and, through its per-sequence slices of one host transfer, its index tensors' alignment.
+MIXED_WIDTHS = (1, 5, 16)
+
+
+def mixed_step_cases(heads: tuple) -> dict[str, Callable[[], object]]:
+    """The padded recurrence for 3 sequences at MIXED_WIDTHS rows, each with its lengths at
+    another offset of one int64 tensor (16-byte aligned or not), bf16, on CPU tensors."""
+    from blockdraft.kernels.triton_gated_delta_rule import triton_recurrent_gated_delta_rule
+
+    hk, hv, dk, dv = heads[:4]
+    dtype, s = torch.bfloat16, 3
+
+    def launch(width: int, offset: int) -> object:
+        q = torch.zeros(s, width, hk, dk, dtype=dtype)
+        v = torch.zeros(s, width, hv, dv, dtype=dtype)
+        gate = torch.zeros(s, width, hv)
+        host = torch.ones(offset + s, dtype=torch.int64)
+        slots = torch.arange(s)
+        fresh = torch.zeros(s, dtype=torch.bool)
+        return triton_recurrent_gated_delta_rule(
+            q, q, v, gate, gate.to(dtype), torch.zeros(s, hv, dk, dv), slots, fresh,
+            host[offset:], fresh,
+        )  # fmt: skip
+
+    return {
+        f"mixed step, {w} rows, lengths at +{8 * i} bytes": lambda w=w, i=i: launch(w, i)
+        for i, w in enumerate(MIXED_WIDTHS)
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
@@ -234,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     if "dflash2" in args.groups:
         cases |= {f"DFlash2 {k}": v for k, v in dflash2_cases(args.rows).items()}
     if "prefill" in args.groups:
-        cases |= prefill_cases(heads)
+        cases |= prefill_cases(heads) | mixed_step_cases(heads)
     rows = []
     variants: dict[str, set[int]] = {}  # kernel -> its compiled binaries (the JIT's cache hits)
     for case, launch in cases.items():

@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import triton
 import triton.language as tl
 
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.forward_context import PAD_SLOT_ID
+from blockdraft.kernels.triton_jit_options import unspecialised
 
 # The counts and the block-table width change from step to step: not specialised (Triton would
 # compile values of 1 and multiples of 16 apart, i.e. a compile in the middle of serving). So
@@ -21,12 +20,9 @@ _RUNTIME_SIZES = ["num_reqs", "num_props", "num_reqs_padded", "num_ctx_rows", "s
                   "max_blocks"]  # fmt: skip
 _INPUT_POINTERS = ["anchor_tokens_ptr", "anchor_positions_ptr", "ctx_row_start_ptr",
                    "num_ctx_ptr", "proposers_ptr", "block_tables_ptr"]  # fmt: skip
-_JIT_OPTIONS: dict[str, list[str]] = {"do_not_specialize": _RUNTIME_SIZES}
-if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-    _JIT_OPTIONS["do_not_specialize_on_alignment"] = _INPUT_POINTERS
 
 
-@triton.jit(**_JIT_OPTIONS)
+@triton.jit(**unspecialised(_RUNTIME_SIZES, _INPUT_POINTERS))
 def _prepare_dflash_inputs_kernel(
     anchor_tokens_ptr,  # [C] int
     anchor_positions_ptr,  # [C] int

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from blockdraft.kernels.gated_delta_rule import recurrent_gated_delta_rule_pool_torch
+from blockdraft.kernels.triton_jit_options import unspecialised
 
 __all__ = ["recurrent_gated_delta_rule_pool_torch", "triton_recurrent_gated_delta_rule"]
 
@@ -53,7 +54,9 @@ def _delta_step(
     return state, tl.sum(state * q[:, None], axis=0)
 
 
-@triton.jit
+# A step's width (1 for decode rows, 1 + N for verify blocks) and its per-sequence index
+# tensors (slices of one host transfer) vary with the batch: one compile for all of them.
+@triton.jit(**unspecialised(["T"], ["slots_ptr", "fresh_ptr", "lengths_ptr", "write_ptr"]))
 def _gated_delta_rule_recurrent_kernel(
     q_ptr,  # [S, T, Hk, Dk] contiguous
     k_ptr,  # [S, T, Hk, Dk] contiguous

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -546,14 +547,16 @@ def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
                "_candidate_path_kernel"]  # fmt: skip
     assert kernels[7:14] == dflash2, out.stdout
     prefill = ["_chunk_prepare_kernel", "_chunk_state_kernel", "_chunk_output_kernel"]
-    assert kernels[14:] == prefill * 4, out.stdout
-    # One compile of each prefill kernel for batches of 1, 15, 16 and 33 sequences: a new
-    # number of sequences compiles nothing in the middle of serving.
+    assert kernels[14:26] == prefill * 4, out.stdout
+    assert kernels[26:] == ["_gated_delta_rule_recurrent_kernel"] * 3, out.stdout
+    # One compile of each prefill kernel for batches of 1, 15, 16 and 33 sequences, and of the
+    # mixed step's recurrence for 1, 5 and 16 rows: a new number of sequences or width
+    # compiles nothing in the middle of serving.
     compiles = dict(
         entry.rsplit(" ", 1)
         for entry in out.stdout.splitlines()[-1].removeprefix("compiles: ").split(", ")
     )
-    assert all(compiles[k] == "1" for k in prefill), compiles
+    assert all(compiles[k] == "1" for k in [*prefill, "_gated_delta_rule_recurrent_kernel"])
     assert compiles["_gated_deltanet_verify_chunk_kernel"] == "4", compiles
     for r in rows:
         registers, stack, shared = map(int, r[-4:-1])
@@ -563,7 +566,7 @@ def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
     assert len(set(digests[2:6])) == 4, digests  # each chunked variant its own machine code
 
 
-def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -> None:
+def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path, monkeypatch) -> None:
     """A pass's steps each fall in one kind (admission while requests wait, steps of N drafts
     with the whole batch or after some finished) and the kinds with the host's share add up to
     the pass's time."""
@@ -594,7 +597,19 @@ def test_conc_probe_sorts_a_pass_into_admission_steady_tail_and_host(tmp_path) -
     assert all(r.chooser is None for r in records)  # a fixed N weighs nothing
     llm.shutdown()
     auto = dflash_llm(target, drafter, 3, "auto", 0.5, kw)
+    clock_reads = []
+
+    def now() -> float:  # benchmarks.common.now syncs the device: only at the pass's ends
+        clock_reads.append(1)
+        return time.perf_counter()
+
+    monkeypatch.setattr(conc_probe, "now", now)
     _, records = conc_probe.timed_pass(auto, prompts[:3], params[1:])
+    assert len(clock_reads) == 2 and len(records) > 2
+    # Each step's time handed to the chooser lies within the step's own.
+    handed = [(r.ms, t) for r in records for t in r.timed]
+    assert handed and all(0 < ms_handed <= ms for ms, (_, _, ms_handed, _) in handed)
+    assert "record_if_uniform" not in vars(auto.engine.draft_length)  # unwrapped after
     weighed = [r.chooser for r in records if r.running]
     assert weighed and all(w is not None and 0 <= w["alpha"] <= 1 for w in weighed)
     assert all(set(w["cost_ms"]) == {0, 1, 2, 3} and w["cost_ms"][0] > 0 for w in weighed)
