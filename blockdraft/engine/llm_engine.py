@@ -76,6 +76,8 @@ class LLMEngine:
         # freed requests' blocks the drafter's deferred context has seen.
         self.next_num_drafts: int | None = None
         self.frees_seen = 0
+        # When the last step that ran something ended (None: none since the engine was idle).
+        self.last_step_end: float | None = None
         pages = self.block_manager.window_pages
         if self.draft_launcher is not None and pages is not None:
             # Deferred rows must stay inside the window until written: a page left behind it
@@ -182,6 +184,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self.last_step_end = None
             return []
         num_drafts, write_first = 0, False
         if self.draft_launcher is not None:
@@ -206,8 +209,20 @@ class LLMEngine:
         result = self.runner.finish(launched)  # the step's one device-to-host read
         outputs = self._process_step(chunks, result, drafts)
         self.decode_pipeline.drop_finished_rows()
-        self.draft_length.record_if_uniform(chunks, num_drafts, time.perf_counter() - t0)
+        self.draft_length.record_if_uniform(chunks, num_drafts, self._step_seconds(t0))
         return outputs
+
+    def _step_seconds(self, t0: float) -> float:
+        """A step's cost for the draft-length chooser: from the end of the step before it (else
+        from `t0`, its start) to now. The host's time between steps (the caller's loop, a
+        device sync it makes) is part of what each step costs; and where the caller waits for
+        the device, a step launched ahead is read back at once: timed from its own start alone
+        it looked ~10x cheaper than it was (a benchmark that synced before every step made
+        plain decoding look so cheap that the batch stopped drafting)."""
+        end = time.perf_counter()
+        start = t0 if self.last_step_end is None else self.last_step_end
+        self.last_step_end = end
+        return end - start
 
     def _take_window_updates(self) -> tuple[list[int], list[int]] | None:
         pages = self.block_manager.window_pages
@@ -285,8 +300,7 @@ class LLMEngine:
         self.decode_pipeline.drop_finished_rows()
         if chunks:
             self.spec_stats.record_step(0)
-            seconds = time.perf_counter() - t0
-            self.draft_length.record_if_uniform(chunks, 0, seconds, pipelined)
+            self.draft_length.record_if_uniform(chunks, 0, self._step_seconds(t0), pipelined)
         return outputs
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -334,3 +335,32 @@ def test_a_drained_pipelines_last_step_is_no_cost_sample(pairs, rng) -> None:
     assert (0, False) in calls  # drains
     assert any(n == 0 for n, _ in samples)
     assert all(pipelined for _, pipelined in samples), samples
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_a_step_is_timed_from_the_end_of_the_one_before(pairs, rng, pipelined: bool) -> None:
+    """The host's time between steps counts in each step's cost: a caller that spends `gap`
+    seconds before every step (as one that waits for the device would, while the step launched
+    ahead runs) makes every cost sample at least `gap`; timed from the step's own start, a
+    step launched ahead read back at once looked free and the batch stopped drafting."""
+    target, drafter = pairs["random"]
+    prompts = random_prompts(target, rng, 3)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = auto_llm(drafter, target, async_decode=pipelined)
+    chooser, engine = llm.engine.draft_length, llm.engine
+    choose_in_runs(llm, random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))))
+    samples: list[float] = []
+    record_step, step = chooser.record_step, engine.step
+    gap = 0.02
+
+    def spy_sample(batch, num_drafts, seconds) -> None:
+        samples.append(seconds)
+        record_step(batch, num_drafts, seconds)
+
+    def step_after_a_gap() -> list:
+        time.sleep(gap)
+        return step()
+
+    chooser.record_step, engine.step = spy_sample, step_after_a_gap
+    llm.generate(prompts, params, use_tqdm=False)
+    assert samples and min(samples) >= gap, samples
