@@ -221,7 +221,8 @@ class LLMEngine:
         plain decoding look so cheap that the batch stopped drafting)."""
         end = time.perf_counter()
         start = t0 if self.last_step_end is None else self.last_step_end
-        self.last_step_end = end
+        # An engine left with nothing to run may wait for requests (a server): not a cost.
+        self.last_step_end = end if self.has_unfinished_requests() else None
         return end - start
 
     def _take_window_updates(self) -> tuple[list[int], list[int]] | None:

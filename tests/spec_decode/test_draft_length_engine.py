@@ -364,3 +364,5 @@ def test_a_step_is_timed_from_the_end_of_the_one_before(pairs, rng, pipelined: b
     chooser.record_step, engine.step = spy_sample, step_after_a_gap
     llm.generate(prompts, params, use_tqdm=False)
     assert samples and min(samples) >= gap, samples
+    # Idle after its last request (a server waiting): the wait is no step's cost.
+    assert engine.last_step_end is None
