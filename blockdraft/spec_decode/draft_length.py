@@ -271,10 +271,10 @@ class DraftLengthChooser:
         uniform steps of its batch and N before it): only then is it cost(batch, N). The steps
         of a probe's span time the probe instead. `pipelined=False`: a step launched ahead
         that launched none after it (async decode's pipeline drains before a drafting step or
-        when a request finishes): its device work ran during the step before, so its own time
-        is no step's cost (0.2-0.5 ms against a steady 25.6 on an H100 with the 27B shape; a
-        few such in a bucket's window made plain decoding look ~50x cheaper in a batch's
-        tail)."""
+        when a request finishes): it overlapped the step before by however long the host
+        worked or waited in between, so its time says more about the caller than about a
+        plain decode step (0.2-0.5 ms against a steady 25.6 on an H100, 27B shape, under a
+        benchmark that synced the device before each step)."""
         if self.probe_timing is not None:
             self._time_probe(seconds)
             self.uniform_run = (0, 0, 0)

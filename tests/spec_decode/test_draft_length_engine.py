@@ -309,8 +309,8 @@ def test_steps_at_n0_launched_ahead_keep_the_sampled_tokens(pairs, rng) -> None:
 
 def test_a_drained_pipelines_last_step_is_no_cost_sample(pairs, rng) -> None:
     """Async decode: the last N = 0 step launched ahead before a drafting step launches none
-    after it (the pipeline drains); its device work ran during the step before, so its time is
-    not taken as a plain decode step's cost. Every N = 0 sample comes from a step that kept the
+    after it (the pipeline drains); it overlapped the step before, so its time is not taken as
+    a plain decode step's cost. Every N = 0 sample comes from a step that kept the
     pipeline full, and drains did happen."""
     target, drafter = pairs["random"]
     prompts = random_prompts(target, rng, 3)
