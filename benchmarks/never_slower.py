@@ -9,6 +9,7 @@ prefill, whose drafter context the speculative engines write too) and then for `
 
     .venv/bin/python benchmarks/never_slower.py [--sets aime2025 mtbench] [--num-prompts 3]
         [--max-tokens 64] [--temperature 1] [--repeats 5] [--threads N] [--json F]
+        [--probe-budget 0.01 0.005]
 
 No --model: the embedded SmolLM2-135M-Instruct and its shipped drafter. Prompts: the first
 `--num-prompts` of each `blockdraft bench` set named.
@@ -44,12 +45,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-prompts", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument(
+        "--probe-budget", type=float, nargs="*", default=[],
+        help="also the default at each of these probe budgets (the chooser's PROBE_BUDGET, "
+        "the share of plain decoding's time its probes may lose), taking turns with the rest",
+    )  # fmt: skip
     add_turn_taking_args(ap)
     args = ap.parse_args(argv)
     if min(args.num_prompts, args.max_tokens, args.repeats) < 1:
         raise SystemExit("--num-prompts, --max-tokens and --repeats must be >= 1")
     if args.temperature < 0:
         raise SystemExit("--temperature must be >= 0")
+    if any(not 0 < b <= 1 for b in args.probe_budget):
+        raise SystemExit("--probe-budget values must be in (0, 1]")
     common = {"model": args.model, "num_threads": args.threads}
     never = {"method": "dflash", "model": args.draft, "num_speculative_tokens_by_batch": {1: 0}}
     engines = {
@@ -57,6 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
         "never drafting": LLM(speculative_config=never, **common),
         "default": LLM(speculative_config={"method": "dflash", "model": args.draft}, **common),
     }
+    for budget in args.probe_budget:
+        llm = LLM(speculative_config={"method": "dflash", "model": args.draft}, **common)
+        llm.engine.draft_length.probe_budget = budget
+        engines[f"default, probe budget {budget:g}"] = llm
     prompts = [p for name in args.sets for p in load_prompt_set(name, args.num_prompts)]
     seeded = {"temperature": args.temperature, "seed": 0}
     prefill = SamplingParams(max_tokens=1, **seeded)
@@ -85,9 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
             name, f"{prefill_ms:.1f}", f"{rate:.2f}", f"{rate / ar:.3f}", f"{drafting:.1%}",
             f"{tau:.2f}" if tau else "-",
         ])  # fmt: skip
+        chooser = engines[name].engine.draft_length
         result["rows"].append({
             "engine": name, "prefill_ms": prefill_ms, "tok_s": rate, "vs_ar": rate / ar,
             "drafting_steps": drafting, "tau": tau,
+            "probe_budget": None if chooser is None else chooser.probe_budget,
         })  # fmt: skip
     print_table(
         f"{' + '.join(args.sets)}, {len(prompts)} prompts x {args.max_tokens} tokens, "

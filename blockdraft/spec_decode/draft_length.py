@@ -200,6 +200,8 @@ class DraftLengthChooser:
     schedule: DraftSchedule
     costs: StepCostModel
     probe_interval: int = PROBE_INTERVAL
+    # The share of plain decoding's time probes may lose (PROBE_BUDGET; benchmarks vary it).
+    probe_budget: float = PROBE_BUDGET
     # The drafter's engine-wide decayed counts: the prior of every request's alpha.
     prior_accepted: float = INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT
     prior_rejected: float = (1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT
@@ -423,14 +425,14 @@ class DraftLengthChooser:
         return sum(c * self.expected[b][num_drafts] for b, c in counts.items())
 
     def _probe_floor(self, counts: dict[int, int], batch: int, probe: int) -> int:
-        """The fewest steps between probes that keeps their expected loss within PROBE_BUDGET
-        of plain decoding's time: a probe costs `probe_cost` (in decode steps) and commits
+        """The fewest steps between probes that keeps their expected loss within the probe
+        budget of plain decoding's time: a probe costs `probe_cost` (in decode steps) and commits
         E(alpha, N) - 1 tokens a request more than a decode step at the batch's current
         estimates. It holds after a probe that lifted the estimates too: a lift that leaves
         drafting far from paying is no reason to pay for probes every PROBE_INTERVAL steps."""
         gained = self._batch_tokens(counts, probe) / batch - 1.0
         loss = self.probe_cost(batch, probe) / self.costs.cost(batch, 0) - gained
-        return math.ceil(max(loss, 0.0) / PROBE_BUDGET)
+        return math.ceil(max(loss, 0.0) / self.probe_budget)
 
     def _calibrating(self, batch: int) -> bool:
         """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met

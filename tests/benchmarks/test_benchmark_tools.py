@@ -431,21 +431,26 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     import pytest
 
     from benchmarks import never_slower
+    from blockdraft.spec_decode.draft_length import PROBE_BUDGET
 
     # The prompt sets install from PyPI only with the bench extras: a question stands in.
     monkeypatch.setattr(never_slower, "load_prompt_set", lambda name, n: ["What is 3 + 4?"][:n])
     out = never_slower.main([
         "--sets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--repeats", "1",
-        "--threads", "1", "--json", str(tmp_path / "out.json"),
+        "--threads", "1", "--json", str(tmp_path / "out.json"), "--probe-budget", "0.01",
     ])  # fmt: skip
     rows = {r["engine"]: r for r in out["rows"]}
-    assert set(rows) == {"AR", "never drafting", "default"}
+    assert set(rows) == {"AR", "never drafting", "default", "default, probe budget 0.01"}
+    assert rows["default, probe budget 0.01"]["probe_budget"] == 0.01
+    assert rows["default"]["probe_budget"] == PROBE_BUDGET and rows["AR"]["probe_budget"] is None
     assert all(r["tok_s"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
     assert rows["AR"]["vs_ar"] == 1.0 and rows["AR"]["drafting_steps"] == 0
     assert rows["never drafting"]["drafting_steps"] == 0 == rows["never drafting"]["tau"]
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
     with pytest.raises(SystemExit, match="--temperature"):
         never_slower.main(["--temperature", "-1"])
+    with pytest.raises(SystemExit, match="--probe-budget"):
+        never_slower.main(["--probe-budget", "0"])
 
 
 def test_prefill_bench_times_the_triton_rule_against_its_twin(rng) -> None:

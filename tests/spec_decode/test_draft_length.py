@@ -128,7 +128,8 @@ def test_expensive_probes_stay_within_their_budget(rng) -> None:
     assert extra <= PROBE_BUDGET * len(chosen[probes[0] :]) + 2.5  # + the last probe's own
 
 
-def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None:
+@pytest.mark.parametrize("budget", [PROBE_BUDGET, PROBE_BUDGET / 2])
+def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng, budget: float) -> None:
     """A probe is not a uniform step: the engine's step times around it (the step that chose
     it, the probe, its verify, the pipeline's refill) are its cost. Where they add up to
     several decode steps more (a GPU's host-bound probe) while the uniform-step table says a
@@ -138,6 +139,7 @@ def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None
     batch = r.randint(1, 3)
     # Uniform steps where drafting is cheap (1.05 decode steps for any N)...
     chooser = chooser_with_costs(r, range(1, 4), 0.05, 0.0)
+    chooser.probe_budget = budget
     decode = chooser.costs.cost(batch, 0)
     # ... but a probe's span runs at these multiples of a decode step: 4.9 decode steps extra.
     span = [1.0, 3.5, 2.2, 1.6, 1.6][:PROBE_SPAN]
@@ -161,10 +163,11 @@ def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng) -> None
     probes = [i for i, n in enumerate(chosen) if n]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     # Alpha never quite reaches 0 (the prior keeps a share of its start): a probe commits a
-    # little more than a decode step, so the floor is a little under extra / PROBE_BUDGET.
-    assert gaps[-1] > MAX_PROBE_INTERVAL and gaps[-1] >= 0.9 * extra / PROBE_BUDGET, gaps
+    # little more than a decode step, so the floor is a little under extra / budget.
+    assert gaps[-1] > MAX_PROBE_INTERVAL and gaps[-1] >= 0.9 * extra / budget, gaps
+    assert gaps[-1] <= 1.1 * extra / budget + 1, gaps  # and no further
     tail = chosen[probes[-3] :]
-    assert sum(1 for n in tail if n) * extra <= 1.2 * PROBE_BUDGET * len(tail) + extra
+    assert sum(1 for n in tail if n) * extra <= 1.2 * budget * len(tail) + extra
 
 
 def test_a_probe_is_priced_only_against_a_timed_decode_step(rng) -> None:
