@@ -14,9 +14,12 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   not been verified yet). accepted / drafted would underestimate alpha: a run stopped by a
   rejection says nothing about the drafts after it.
 - cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
-  verifies N and proposes N; no prefill), the median of the last few per (power-of-two batch
-  bucket, N): step times are only ever inflated (a cold cache, a noisy neighbour), so a median
-  ignores the outliers and follows a real change within a few steps. An N not measured yet at
+  verifies N and proposes N; no prefill), each from the end of the step before it (the engine's
+  `_step_seconds`: the host's time between steps is part of the cost, and a caller's wait for
+  the device cannot make a step launched ahead look free), the median of the last few per
+  (power-of-two batch bucket, N): step times are only ever inflated (a cold cache, a noisy
+  neighbour), so a median ignores the outliers and follows a real change within a few steps.
+  An N not measured yet at
   a bucket is scaled from the measured ones by the analytic prior 1 + drafter_overhead +
   per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
   bucket is first met and again every RECALIBRATE_INTERVAL steps while the batch drafts, so
