@@ -19,9 +19,8 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   the device cannot make a step launched ahead look free), the median of the last few per
   (power-of-two batch bucket, N): step times are only ever inflated (a cold cache, a noisy
   neighbour), so a median ignores the outliers and follows a real change within a few steps.
-  An N not measured yet at
-  a bucket is scaled from the measured ones by the analytic prior 1 + drafter_overhead +
-  per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
+  An N not measured yet at a bucket is scaled from the measured ones by the analytic prior
+  1 + drafter_overhead + per_row * b * N (in decode steps). Plain decode (N = 0) is timed for a few steps when a
   bucket is first met and again every RECALIBRATE_INTERVAL steps while the batch drafts, so
   the comparison with speculation rests on this machine's current times, not on the prior.
 - exploring: the chooser only times the N it drafts, so an N that the prior prices a little
