@@ -59,7 +59,7 @@ def weighed(engine: object) -> dict | None:
     return {
         "alpha": sum(alphas) / len(alphas),
         "prior": prior,
-        "cost_ms": {n: 1e3 * chooser.costs.cost(batch, n) for n in allowed},
+        "cost_ms": {n: 1e3 * chooser.step_cost(batch, n) for n in allowed},
         "tokens_per_s": chooser.expected_rates((s.acceptance for s in running), batch),
         "measured": [n for n in allowed if chooser.costs.has(batch, n)],
         "probe_ms": 1e3 * chooser.probe_cost(batch, allowed[1]) if len(allowed) > 1 else None,

@@ -645,3 +645,24 @@ def test_sync_points_names_the_innermost_blockdraft_frame(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         sync_points.main([])
+
+
+def test_chooser_sim_serves_each_scenario_at_each_probe_budget(capsys) -> None:
+    """Every scenario at every budget asked for, a rate against plain decoding and a share of
+    drafting steps; a good drafter beats plain decoding and drafts that never land cost little
+    and draft little; bad arguments are refused by name."""
+    from benchmarks import chooser_sim
+
+    rows = chooser_sim.main(["--seeds", "2", "--requests", "2", "--tokens", "64",
+                             "--probe-budgets", "0.02", "0.01"])  # fmt: skip
+    assert {(r["scenario"], r["probe_budget"]) for r in rows} == {
+        (s, b) for s in chooser_sim.SCENARIOS for b in (0.02, 0.01)
+    }
+    by = {(r["scenario"], r["probe_budget"]): r for r in rows}
+    good = by["T = 0, a good drafter: alpha 0.7", 0.01]
+    never = by["drafts never land: alpha 0", 0.01]
+    assert good["vs_plain"] > 1.1 and good["drafting_steps"] > 0.4
+    assert 0.8 < never["vs_plain"] < 1.0 and never["drafting_steps"] < 0.1
+    assert "vs plain decoding" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--seeds"):
+        chooser_sim.main(["--seeds", "0"])

@@ -481,3 +481,45 @@ def test_no_exploration_on_the_cpu(rng) -> None:
     # rejections may make 6 the best for a step), and a CPU that explored would try 6.
     chosen = run_timed(chooser, [1.0], r, 60, seconds)
     assert not chooser.explored and chosen[-20:] == [NUM_SPEC] * 20, chosen
+
+
+def test_a_measured_probe_prices_drafting_steps_not_yet_timed(rng) -> None:
+    """On a GPU the prior prices a drafting step at ~1.36 decode steps; where the probes' spans
+    measured drafting as dear (a host-bound GPU: ~2 decode steps a drafting step) and no
+    drafting step was timed, requests of middling acceptance must not draft on the prior's
+    word: an untimed N > 0 costs at least a decode step plus half a probe's extra. A timed N
+    is priced by its time."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    decode = r.uniform(0.5e-3, 2e-3)
+    span = [1.0, 3.5, 2.2, 1.6, 1.6][:PROBE_SPAN]  # a probe's span, in decode steps
+    nothing = [AcceptanceEstimate()]  # drafts that never land: it probes, and times the probes
+    pending, left = 0, []
+    for _ in range(200):
+        n = chooser.choose(nothing, 1)
+        if pending:
+            chooser.observe(nothing[0], 0, pending)
+        if n and not left:
+            left = list(span)
+        chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
+        chooser.record_if_uniform(chunks, n, decode * (left.pop(0) if left else 1.0))
+        pending = n
+    extra = chooser.measured_probe_cost(1)
+    assert extra == pytest.approx((sum(span) - PROBE_SPAN) * decode)
+    middling = AcceptanceEstimate()
+    middling.alpha_bin = round(0.45 * ALPHA_BINS)
+    untimed = [n for n in range(1, NUM_SPEC + 1) if not chooser.costs.has(1, n)]
+    assert untimed == list(range(1, NUM_SPEC + 1))
+    rates = chooser.expected_rates([middling], 1)
+    assert all(chooser.step_cost(1, n) >= decode + extra / 2 for n in untimed)
+    assert max(rates, key=rates.get) == 0, rates
+    # The prior alone would have drafted.
+    fresh = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    fresh.record_step(1, 0, decode)
+    prior_rates = fresh.expected_rates([middling], 1)
+    assert max(prior_rates, key=prior_rates.get) > 0, prior_rates
+    # A drafting step timed cheap is priced by its time.
+    chooser.record_step(1, 3, 1.1 * decode)
+    assert chooser.step_cost(1, 3) == pytest.approx(1.1 * decode)
+    timed = chooser.expected_rates([middling], 1)
+    assert timed[3] > timed[0], timed

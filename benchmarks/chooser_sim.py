@@ -1,0 +1,137 @@
+"""The default draft length on simulated batch-1 serving: requests one after another, each
+draft accepted with a request's own probability, step times from a host-bound GPU's cost shape
+(SmolLM2-135M on an H100: a pipelined plain step 1, a synchronous drafting step ~2, the
+verify-only step after drafting 1.8, the two plain steps refilling the pipeline 1.3 each;
+3% noise). Prints the chooser's tokens per unit of time against plain decoding's for each
+acceptance scenario and probe budget: for weighing a change to the chooser before the GPU.
+
+    python benchmarks/chooser_sim.py [--seeds 20] [--requests 6] [--tokens 128]
+        [--probe-budgets 0.02 0.01]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import print_table  # noqa: E402
+from blockdraft.spec_decode.draft_length import (  # noqa: E402
+    PROBE_BUDGET,
+    AcceptanceEstimate,
+    DraftLengthChooser,
+)
+from blockdraft.spec_decode.draft_schedule import DraftSchedule  # noqa: E402
+
+# The GPU's default schedule at batch 1: N in 0..15, the chooser's allowed values.
+SCHEDULE = DraftSchedule((1,), (15,), (0, 1, 2, 3, 7, 15))
+Acceptance = Callable[[int], float]  # a request's acceptance probability at an output position
+
+
+def step_time(previous: int, num_drafts: int, refill: bool, r: random.Random) -> float:
+    """A step's time in plain decode steps (module docstring)."""
+    if num_drafts:
+        t = 2.0 + 0.01 * num_drafts
+    elif previous:
+        t = 1.8
+    else:
+        t = 1.3 if refill else 1.0
+    return t * r.uniform(0.97, 1.03)
+
+
+def serve(
+    requests: list[Acceptance], tokens: int, budget: float, r: random.Random
+) -> tuple[float, float]:
+    """(tokens per unit of time against plain decoding's, share of steps drafting) of one
+    engine serving `requests` one at a time, `tokens` each."""
+    chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
+    chooser.probe_budget = budget
+    elapsed, produced, steps, drafting, previous, refill = 0.0, 0, 0, 0, 0, 0
+    for acceptance in requests:
+        estimate, done, pending = AcceptanceEstimate(), 0, 0
+        while done < tokens:
+            n = chooser.choose([estimate], 1)
+            got = 1
+            if pending:  # this step verifies the drafts proposed at the last one
+                accepted = 0
+                while accepted < pending and r.random() < acceptance(done):
+                    accepted += 1
+                chooser.observe(estimate, accepted, pending)
+                got += accepted
+            t = step_time(previous, n, refill > 0, r)
+            refill = 2 if (previous and not n) else max(refill - (not n), 0)
+            chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
+            chooser.record_if_uniform(chunks, n, t * 1e-3)
+            elapsed += t
+            produced += got
+            done += got
+            steps += 1
+            drafting += n > 0
+            previous = pending = n
+    return produced / elapsed, drafting / steps
+
+
+def steady(alpha: float) -> Acceptance:
+    return lambda position: alpha
+
+
+def stretches(r: random.Random, high: float, low: float, length: int) -> Acceptance:
+    """Acceptance `high` or `low` (even odds) in stretches of `length` output tokens."""
+    chosen: dict[int, float] = {}
+
+    def acceptance(position: int) -> float:
+        stretch = position // length
+        if stretch not in chosen:
+            chosen[stretch] = high if r.random() < 0.5 else low
+        return chosen[stretch]
+
+    return acceptance
+
+
+SCENARIOS: dict[str, Callable[[random.Random], Acceptance]] = {
+    "T = 1-like: alpha 0.15-0.4": lambda r: steady(r.uniform(0.15, 0.4)),
+    "T = 0 maths-like: 0.85 / 0.3 in stretches of 24": lambda r: stretches(r, 0.85, 0.3, 24),
+    "T = 0, a good drafter: alpha 0.7": lambda r: steady(0.7),
+    "drafts never land: alpha 0": lambda r: steady(0.0),
+}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--probe-budgets", type=float, nargs="+", default=[PROBE_BUDGET])
+    args = p.parse_args(argv)
+    if min(args.seeds, args.requests, args.tokens) < 1:
+        raise SystemExit("--seeds, --requests and --tokens must be >= 1")
+    rows = []
+    for name, scenario in SCENARIOS.items():
+        for budget in args.probe_budgets:
+            runs = []
+            for seed in range(args.seeds):
+                r = random.Random(seed)
+                runs.append(serve([scenario(r) for _ in range(args.requests)], args.tokens,
+                                  budget, r))  # fmt: skip
+            rows.append({
+                "scenario": name, "probe_budget": budget,
+                "vs_plain": statistics.mean(v for v, _ in runs),
+                "drafting_steps": statistics.mean(d for _, d in runs),
+            })  # fmt: skip
+    print_table(
+        f"the default draft length, simulated batch-1 serving ({args.requests} requests x "
+        f"{args.tokens} tokens, {args.seeds} seeds)",
+        ["scenario", "probe budget", "vs plain decoding", "steps drafting"],
+        [[r["scenario"], r["probe_budget"], f"{r['vs_plain']:.3f}", f"{r['drafting_steps']:.1%}"]
+         for r in rows],
+    )  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()
