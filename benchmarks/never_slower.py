@@ -59,14 +59,15 @@ def main(argv: list[str] | None = None) -> dict:
     if any(not 0 < b <= 1 for b in args.probe_budget):
         raise SystemExit("--probe-budget values must be in (0, 1]")
     common = {"model": args.model, "num_threads": args.threads}
-    never = {"method": "dflash", "model": args.draft, "num_speculative_tokens_by_batch": {1: 0}}
+    auto = {"method": "dflash", "model": args.draft}
+    never = {**auto, "num_speculative_tokens_by_batch": {1: 0}}
     engines = {
         "AR": LLM(speculative_config=None, **common),
         "never drafting": LLM(speculative_config=never, **common),
-        "default": LLM(speculative_config={"method": "dflash", "model": args.draft}, **common),
+        "default": LLM(speculative_config=auto, **common),
     }
     for budget in args.probe_budget:
-        llm = LLM(speculative_config={"method": "dflash", "model": args.draft}, **common)
+        llm = LLM(speculative_config=auto, **common)
         llm.engine.draft_length.probe_budget = budget
         engines[f"default, probe budget {budget:g}"] = llm
     prompts = [p for name in args.sets for p in load_prompt_set(name, args.num_prompts)]

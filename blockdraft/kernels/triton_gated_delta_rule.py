@@ -54,8 +54,8 @@ def _delta_step(
     return state, tl.sum(state * q[:, None], axis=0)
 
 
-# A step's width (1 for decode rows, 1 + N for verify blocks) and its per-sequence index
-# tensors (slices of one host transfer) vary with the batch: one compile for all of them.
+# A step's width (1 for decode rows, 1 + N for verify blocks) varies with the batch, and the
+# per-sequence index tensors are read element by element: one compile for all of them.
 @triton.jit(**unspecialised(["T"], ["slots_ptr", "fresh_ptr", "lengths_ptr", "write_ptr"]))
 def _gated_delta_rule_recurrent_kernel(
     q_ptr,  # [S, T, Hk, Dk] contiguous

@@ -3,8 +3,8 @@
 Triton compiles an integer argument of 1, a multiple of 16 and any other value apart, and a
 pointer 16-byte aligned or not apart: a batch that first meets another case compiles in the
 middle of serving (a step of seconds). Sizes that only bound loops and masks, and index
-tensors read element by element (often slices of one host transfer, whose alignment follows the
-batch's make-up), gain nothing from it."""
+tensors read element by element (views whose 16-byte alignment the callers do not promise),
+gain nothing from it."""
 
 from __future__ import annotations
 

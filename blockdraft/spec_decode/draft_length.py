@@ -143,6 +143,11 @@ class CostPrior:
         return 1.0 + self.drafter_overhead + self.per_row * batch * num_drafts
 
 
+def lower_median(window: deque[float]) -> float:
+    """The lower median of a window of times (step times are only ever inflated)."""
+    return sorted(window)[(len(window) - 1) // 2]
+
+
 class StepCostModel:
     """Seconds per uniform step by (batch bucket, N): measured where the engine has run such
     steps, else the prior scaled by the bucket's measured decode-step unit."""
@@ -165,7 +170,7 @@ class StepCostModel:
         if window is None:
             window = self.samples[key] = deque(maxlen=COST_WINDOW)
         window.append(seconds)
-        median = sorted(window)[(len(window) - 1) // 2]
+        median = lower_median(window)
         self.measured[key] = median
         self.unit[bucket] = median / self.prior(batch, num_drafts)
 
@@ -224,6 +229,8 @@ class DraftLengthChooser:
     probe_timing: tuple[int, int, float] | None = None
     # bucket -> the last few probes' extra seconds over as many decode steps as their span
     probe_extra: dict[int, deque[float]] = field(default_factory=dict)
+    # bucket -> their lower median, kept at each probe (`step_cost` reads it every step)
+    probe_measured: dict[int, float] = field(default_factory=dict)
     # (bucket, N) explored already, and the exploration under way: (batch, N, steps left).
     explored: set[tuple[int, int]] = field(default_factory=set)
     exploring: tuple[int, int, int] | None = None
@@ -311,12 +318,12 @@ class DraftLengthChooser:
         bucket = StepCostModel.bucket(batch)
         window = self.probe_extra.setdefault(bucket, deque(maxlen=COST_WINDOW))
         window.append(max(total - PROBE_SPAN * self.costs.cost(batch, 0), 0.0))
+        self.probe_measured[bucket] = lower_median(window)
 
     def measured_probe_cost(self, batch: int) -> float | None:
         """A probe's extra seconds over plain decoding at this bucket, the median of the last
         few measured; None before any."""
-        window = self.probe_extra.get(StepCostModel.bucket(batch))
-        return sorted(window)[(len(window) - 1) // 2] if window else None
+        return self.probe_measured.get(StepCostModel.bucket(batch))
 
     def probe_cost(self, batch: int, probe: int) -> float:
         """A probe's extra seconds over plain decoding: measured, else the uniform steps'
