@@ -6,7 +6,10 @@ verify-only step after drafting 1.8, the two plain steps refilling the pipeline 
 acceptance scenario and probe budget: for weighing a change to the chooser before the GPU.
 
     python benchmarks/chooser_sim.py [--seeds 20] [--requests 6] [--tokens 128]
-        [--probe-budgets 0.02 0.01]
+        [--probe-budgets 0.02 0.01] [--fixed 7 15]
+
+`--fixed N...` adds engines that draft N every step (the issue's yardstick where the drafter
+is good: the default should match the best fixed N).
 """
 
 from __future__ import annotations
@@ -45,17 +48,18 @@ def step_time(previous: int, num_drafts: int, refill: bool, r: random.Random) ->
 
 
 def serve(
-    requests: list[Acceptance], tokens: int, budget: float, r: random.Random
+    requests: list[Acceptance], tokens: int, budget: float, r: random.Random, fixed: int = -1
 ) -> tuple[float, float]:
     """(tokens per unit of time against plain decoding's, share of steps drafting) of one
-    engine serving `requests` one at a time, `tokens` each."""
+    engine serving `requests` one at a time, `tokens` each: the default chooser at probe
+    budget `budget`, or N = `fixed` every step."""
     chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
     chooser.probe_budget = budget
     elapsed, produced, steps, drafting, previous, refill = 0.0, 0, 0, 0, 0, 0
     for acceptance in requests:
         estimate, done, pending = AcceptanceEstimate(), 0, 0
         while done < tokens:
-            n = chooser.choose([estimate], 1)
+            n = chooser.choose([estimate], 1) if fixed < 0 else fixed
             got = 1
             if pending:  # this step verifies the drafts proposed at the last one
                 accepted = 0
@@ -107,28 +111,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--probe-budgets", type=float, nargs="+", default=[PROBE_BUDGET])
+    p.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-N engines too")
     args = p.parse_args(argv)
     if min(args.seeds, args.requests, args.tokens) < 1:
         raise SystemExit("--seeds, --requests and --tokens must be >= 1")
+    if bad := [n for n in args.fixed if n not in SCHEDULE.all_num_drafts]:
+        raise SystemExit(f"--fixed {bad}: N must be one of {SCHEDULE.all_num_drafts}")
+    engines = [("default", b, -1) for b in args.probe_budgets]
+    engines += [(f"N = {n}", None, n) for n in args.fixed]
     rows = []
     for name, scenario in SCENARIOS.items():
-        for budget in args.probe_budgets:
+        for engine, budget, fixed in engines:
             runs = []
             for seed in range(args.seeds):
                 r = random.Random(seed)
                 runs.append(serve([scenario(r) for _ in range(args.requests)], args.tokens,
-                                  budget, r))  # fmt: skip
+                                  budget or PROBE_BUDGET, r, fixed))  # fmt: skip
             rows.append({
-                "scenario": name, "probe_budget": budget,
+                "scenario": name, "engine": engine, "probe_budget": budget,
                 "vs_plain": statistics.mean(v for v, _ in runs),
                 "drafting_steps": statistics.mean(d for _, d in runs),
             })  # fmt: skip
     print_table(
         f"the default draft length, simulated batch-1 serving ({args.requests} requests x "
         f"{args.tokens} tokens, {args.seeds} seeds)",
-        ["scenario", "probe budget", "vs plain decoding", "steps drafting"],
-        [[r["scenario"], r["probe_budget"], f"{r['vs_plain']:.3f}", f"{r['drafting_steps']:.1%}"]
-         for r in rows],
+        ["scenario", "engine", "probe budget", "vs plain decoding", "steps drafting"],
+        [[r["scenario"], r["engine"], r["probe_budget"] or "", f"{r['vs_plain']:.3f}",
+          f"{r['drafting_steps']:.1%}"] for r in rows],
     )  # fmt: skip
     return rows
 

@@ -8,11 +8,16 @@ draft schedule allows at this batch size (0 included), the one that maximises th
 expected tokens per second, sum_i E(alpha_i, N) / cost(b, N). N stays one value per step: the
 verify and the drafter's block are uniform (one CUDA graph per 1+N).
 
-- alpha per request (`AcceptanceEstimate`): the maximum-likelihood estimate of a truncated
-  geometric run, accepted / (accepted + rejections), over its verifies with exponential decay,
-  pulled towards the drafter's running engine-wide estimate (the prior of a request that has
-  not been verified yet). accepted / drafted would underestimate alpha: a run stopped by a
-  rejection says nothing about the drafts after it.
+- alpha per request (`AcceptanceEstimate`): its verifies' likelihood is that of truncated
+  geometric runs, alpha^accepted (1 - alpha)^rejections (accepted / drafted would underestimate
+  alpha: a run stopped by a rejection says nothing about the drafts after it), so with a Beta
+  prior centred on the drafter's running engine-wide estimate (PRIOR_WEIGHT observations) its
+  posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify. A
+  request's expected tokens at N are E(alpha, N) averaged over that posterior, not E at its mean:
+  E is convex in alpha, and a request whose few last verifies were short is not yet known to be
+  a poor one (a request with alpha 0.7 drafted on ~60% of its steps when judged by its mean,
+  ~90% by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
+  engine-wide estimate's E.
 - cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
   verifies N and proposes N; no prefill), each from the end of the step before it (the engine's
   `_step_seconds`: the host's time between steps is part of the cost, and a caller's wait for
@@ -70,8 +75,10 @@ REQUEST_DECAY = 0.8
 PRIOR_DECAY = 0.99
 INITIAL_ALPHA = 0.6
 INITIAL_PRIOR_WEIGHT = 10.0
-# Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects).
-PRIOR_WEIGHT = 2.0
+# Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects):
+# with ~5 verifies of memory, 2 let two short runs of a good request stop its drafting (a
+# simulated alpha 0.7 at batch 1: 1.42x plain decoding with 4, 1.35x with 2).
+PRIOR_WEIGHT = 4.0
 # The expected rate gain over plain decoding that a step must promise to draft at all.
 MIN_DRAFT_GAIN = 0.03
 # Step times kept per (bucket, N); the estimate is their (lower) median.
@@ -187,14 +194,17 @@ class StepCostModel:
 
 class AcceptanceEstimate:
     """One request's decayed counts of accepted drafts and of rejections (a verify that stopped
-    before its last draft), and its alpha on the ALPHA_BINS grid (-1: never verified)."""
+    before its last draft), its posterior mean alpha on the ALPHA_BINS grid (-1: never
+    verified) and its expected tokens a verify commits at each N (`posterior_expected_tokens`;
+    empty: never verified)."""
 
-    __slots__ = ("accepted", "rejected", "alpha_bin")
+    __slots__ = ("accepted", "rejected", "alpha_bin", "expected")
 
     def __init__(self) -> None:
         self.accepted = 0.0
         self.rejected = 0.0
         self.alpha_bin = -1
+        self.expected: list[float] = []
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -202,6 +212,16 @@ def expected_tokens(alpha: float, num_drafts: int) -> float:
     if alpha >= 1.0:
         return num_drafts + 1.0
     return (1.0 - alpha ** (num_drafts + 1)) / (1.0 - alpha)
+
+
+def posterior_expected_tokens(a: float, b: float, top: int) -> list[float]:
+    """E(alpha, N) for N = 0..top averaged over alpha ~ Beta(a, b): sum over k <= N of
+    E[alpha^k] = prod_{i < k} (a + i) / (a + b + i)."""
+    out, moment = [1.0], 1.0
+    for i in range(top):
+        moment *= (a + i) / (a + b + i)
+        out.append(out[-1] + moment)
+    return out
 
 
 @dataclass
@@ -268,10 +288,10 @@ class DraftLengthChooser:
         estimate.rejected = REQUEST_DECAY * estimate.rejected + rejected
         self.prior_accepted = PRIOR_DECAY * self.prior_accepted + num_accepted
         self.prior_rejected = PRIOR_DECAY * self.prior_rejected + rejected
-        alpha = (estimate.accepted + PRIOR_WEIGHT * self.prior_alpha) / (
-            estimate.accepted + estimate.rejected + PRIOR_WEIGHT
-        )
-        estimate.alpha_bin = round(alpha * ALPHA_BINS)
+        a = estimate.accepted + PRIOR_WEIGHT * self.prior_alpha
+        b = estimate.rejected + PRIOR_WEIGHT * (1.0 - self.prior_alpha)
+        estimate.alpha_bin = round(a / (a + b) * ALPHA_BINS)
+        estimate.expected = posterior_expected_tokens(a, b, len(self.expected[0]) - 1)
 
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
@@ -359,8 +379,8 @@ class DraftLengthChooser:
             return 0
         if (explored := self._continue_exploring(batch, allowed)) is not None:
             return explored
-        counts = self._alpha_counts(estimates)
-        rates = self._rates(counts, batch, allowed)
+        tokens, mean_bin = self._batch_view(estimates)
+        rates = self._rates(tokens, batch, allowed)
         best = max(allowed, key=lambda n: (rates[n], -n))
         if rates[best] <= 0.0:
             best = 0
@@ -378,13 +398,12 @@ class DraftLengthChooser:
             self.ramp = 0
             return self._explore(batch, best, rates)
         self.steps_since_drafting += 1
-        mean_bin = sum(b * c for b, c in counts.items()) / max(sum(counts.values()), 1)
         if self.steps_since_drafting < self.probe_interval:
             self.alpha_bin_since_probe = min(self.alpha_bin_since_probe, mean_bin)
             return 0
         rose = mean_bin > self.alpha_bin_since_probe
         probe = allowed[1]  # the smallest N that drafts
-        floor = self._probe_floor(counts, batch, probe)
+        floor = self._probe_floor(tokens, batch, probe)
         interval = PROBE_INTERVAL if rose else 2 * self.probe_interval
         self.probe_interval = max(min(interval, MAX_PROBE_INTERVAL), min(floor, MAX_PROBE_FLOOR))
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
@@ -392,25 +411,30 @@ class DraftLengthChooser:
         self.ramp = probe
         return probe
 
-    def _alpha_counts(self, estimates: Iterable[AcceptanceEstimate]) -> dict[int, int]:
-        """Requests by alpha bin (never verified: the engine-wide prior's)."""
+    def _batch_view(self, estimates: Iterable[AcceptanceEstimate]) -> tuple[list[float], float]:
+        """(tokens the batch's next verify commits on average at each N up to the schedule's
+        largest, the batch's mean alpha bin); a request never verified counts at the
+        engine-wide estimate."""
         prior_bin = round(self.prior_alpha * ALPHA_BINS)
-        counts: dict[int, int] = {}
+        fresh, bins, verified = 0, 0, []
         for e in estimates:
-            b = e.alpha_bin if e.alpha_bin >= 0 else prior_bin
-            counts[b] = counts.get(b, 0) + 1
-        return counts
+            if e.alpha_bin < 0:
+                fresh += 1
+            else:
+                bins += e.alpha_bin
+                verified.append(e.expected)
+        tokens = [fresh * t for t in self.expected[prior_bin]]
+        if verified:
+            columns = zip(*verified, strict=True)  # one per N
+            tokens = [t + sum(col) for t, col in zip(tokens, columns, strict=True)]
+        return tokens, (bins + fresh * prior_bin) / max(fresh + len(verified), 1)
 
-    def _rates(
-        self, counts: dict[int, int], batch: int, allowed: tuple[int, ...]
-    ) -> dict[int, float]:
+    def _rates(self, tokens: list[float], batch: int, allowed: tuple[int, ...]) -> dict[int, float]:
         """Expected tokens a second of the batch at each allowed N; drafting must beat plain
         decoding by a margin (step costs are measured, and noise alone must not keep a batch
         drafting when nothing is accepted)."""
         return {
-            n: self._batch_tokens(counts, n)
-            / self.step_cost(batch, n)
-            / (1.0 + MIN_DRAFT_GAIN * (n > 0))
+            n: tokens[n] / self.step_cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
             for n in allowed
         }
 
@@ -420,7 +444,7 @@ class DraftLengthChooser:
         """What `choose` weighs for this batch, without choosing: tokens a second at each N
         its batch size allows (for benchmarks and traces)."""
         allowed = self.allowed_by_cap[self.schedule.num_drafts(batch)]
-        return self._rates(self._alpha_counts(estimates), batch, allowed)
+        return self._rates(self._batch_view(estimates)[0], batch, allowed)
 
     def _explore(self, batch: int, best: int, rates: dict[int, float]) -> int:
         """`best`, or an untimed N to explore (`CUDA_EXPLORE_MARGIN`), whose first step this
@@ -454,18 +478,13 @@ class DraftLengthChooser:
         self.exploring = (batch, n, left - 1) if left > 1 else None
         return n
 
-    def _batch_tokens(self, counts: dict[int, int], num_drafts: int) -> float:
-        """Tokens the batch's next verify commits on average at N drafts; `counts`: requests
-        by alpha bin."""
-        return sum(c * self.expected[b][num_drafts] for b, c in counts.items())
-
-    def _probe_floor(self, counts: dict[int, int], batch: int, probe: int) -> int:
+    def _probe_floor(self, tokens: list[float], batch: int, probe: int) -> int:
         """The fewest steps between probes that keeps their expected loss within the probe
         budget of plain decoding's time: a probe costs `probe_cost` (in decode steps) and commits
         E(alpha, N) - 1 tokens a request more than a decode step at the batch's current
         estimates. It holds after a probe that lifted the estimates too: a lift that leaves
         drafting far from paying is no reason to pay for probes every PROBE_INTERVAL steps."""
-        gained = self._batch_tokens(counts, probe) / batch - 1.0
+        gained = tokens[probe] / batch - 1.0
         loss = self.probe_cost(batch, probe) / self.costs.cost(batch, 0) - gained
         return math.ceil(max(loss, 0.0) / self.probe_budget)
 

@@ -654,15 +654,22 @@ def test_chooser_sim_serves_each_scenario_at_each_probe_budget(capsys) -> None:
     from benchmarks import chooser_sim
 
     rows = chooser_sim.main(["--seeds", "2", "--requests", "2", "--tokens", "64",
-                             "--probe-budgets", "0.02", "0.01"])  # fmt: skip
-    assert {(r["scenario"], r["probe_budget"]) for r in rows} == {
-        (s, b) for s in chooser_sim.SCENARIOS for b in (0.02, 0.01)
+                             "--probe-budgets", "0.02", "0.01", "--fixed", "15"])  # fmt: skip
+    assert {(r["scenario"], r["engine"], r["probe_budget"]) for r in rows} == {
+        (s, e, b)
+        for s in chooser_sim.SCENARIOS
+        for e, b in (("default", 0.02), ("default", 0.01), ("N = 15", None))
     }
-    by = {(r["scenario"], r["probe_budget"]): r for r in rows}
-    good = by["T = 0, a good drafter: alpha 0.7", 0.01]
-    never = by["drafts never land: alpha 0", 0.01]
+    by = {(r["scenario"], r["engine"], r["probe_budget"]): r for r in rows}
+    good = by["T = 0, a good drafter: alpha 0.7", "default", 0.01]
+    never = by["drafts never land: alpha 0", "default", 0.01]
     assert good["vs_plain"] > 1.1 and good["drafting_steps"] > 0.4
     assert 0.8 < never["vs_plain"] < 1.0 and never["drafting_steps"] < 0.1
+    # N = 15 every step: drafts on every step, and where nothing lands pays ~2x for each token.
+    fixed_never = by["drafts never land: alpha 0", "N = 15", None]
+    assert fixed_never["drafting_steps"] == 1.0 and fixed_never["vs_plain"] < 0.6
     assert "vs plain decoding" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--seeds"):
         chooser_sim.main(["--seeds", "0"])
+    with pytest.raises(SystemExit, match="--fixed"):
+        chooser_sim.main(["--fixed", "5"])

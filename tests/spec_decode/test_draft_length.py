@@ -57,6 +57,15 @@ def chooser_with_costs(
     return chooser
 
 
+def estimate_at(chooser: DraftLengthChooser, alpha: float) -> AcceptanceEstimate:
+    """A request whose alpha is known (a posterior concentrated there, as after many verifies):
+    its expected tokens at each N are E(alpha, N) on the chooser's grid."""
+    e = AcceptanceEstimate()
+    e.alpha_bin = round(alpha * ALPHA_BINS)
+    e.expected = list(chooser.expected[e.alpha_bin])
+    return e
+
+
 def accepted_run(r: random.Random, alpha: float, num_drafts: int) -> int:
     """Drafts accepted by a verify when each is accepted with probability alpha in turn."""
     k = 0
@@ -107,7 +116,9 @@ def test_zero_when_drafts_never_land_and_probes_back_off(rng) -> None:
     assert gaps == sorted(gaps), gaps
     assert MAX_PROBE_INTERVAL <= gaps[-1] <= max(MAX_PROBE_INTERVAL, floor + 1), (gaps, floor)
     assert len(probes) <= 10
-    assert all(e.alpha_bin <= ALPHA_BINS // 8 for e in estimates)
+    # Shrunk towards the drafter-wide estimate (PRIOR_WEIGHT observations), which keeps a share
+    # of its fresh start.
+    assert all(e.alpha_bin <= ALPHA_BINS // 5 for e in estimates)
 
 
 def test_expensive_probes_stay_within_their_budget(rng) -> None:
@@ -159,7 +170,7 @@ def test_probe_cost_is_measured_over_its_span_and_spaces_the_probes(rng, budget:
         for e in estimates:
             if pending:
                 chooser.observe(e, 0, pending)
-        if n and not left:
+        if n and not left and chooser.probe_timing is not None:  # a probe: its span
             left = list(span)
         scale = left.pop(0) if left else 1.0
         chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))] * batch
@@ -248,10 +259,15 @@ def test_recovers_after_probes_when_text_becomes_predictable(rng) -> None:
     assert probes[-1] - probes[-2] > PROBE_INTERVAL  # backed off
     interval = chooser.probe_interval
     assert interval > PROBE_INTERVAL
-    chosen = run(chooser, estimates, [1.0] * batch, r, interval + 20 * PROBE_INTERVAL + 20)
+    # The probe due next may still double the interval (the batch's estimates only move at its
+    # verify); the one after it finds them risen.
+    steps = min(2 * interval, interval + MAX_PROBE_INTERVAL) + 20 * PROBE_INTERVAL + 20
+    chosen = run(chooser, estimates, [1.0] * batch, r, steps)
     first = next(i for i, n in enumerate(chosen) if n)
     assert first <= interval and chosen[first] == 1  # the next probe
-    assert chosen[-10:] == [NUM_SPEC] * 10, chosen
+    # Drafting the most for 10 steps in a row at least (RECALIBRATE_INTERVAL steps later,
+    # plain decoding is timed again).
+    assert ",".join([str(NUM_SPEC)] * 10) in ",".join(map(str, chosen)), chosen
     assert chooser.probe_interval == PROBE_INTERVAL
     # After the probe, N at most doubles a step until the largest is reached.
     drafted = [n for n in chosen[first:] if n]
@@ -285,8 +301,7 @@ def test_a_ramp_moved_to_a_coarser_cap_drafts_its_smallest_n() -> None:
     chooser = trusted_chooser(0.95, explore=False)
     chooser.record_step(32, 0, 0.01)  # decode timed: no calibration steps
     chooser.ramp = 1
-    sure = AcceptanceEstimate()
-    sure.alpha_bin = ALPHA_BINS
+    sure = estimate_at(chooser, 1.0)
     assert chooser.choose([sure] * 32, 32) == 3
     assert chooser.choose([sure] * 32, 32) == 7
     assert chooser.ramp == 0  # done: 7 needed no cap
@@ -312,9 +327,9 @@ def test_choice_maximises_expected_tokens_per_second(rng) -> None:
     for _ in range(200):
         chooser = chooser_with_costs(r, range(1, 17), r.uniform(0, 1), r.uniform(0, 0.5))
         batch = r.randint(1, 16)
-        estimates = [AcceptanceEstimate() for _ in range(batch)]
-        for e in estimates:
-            e.alpha_bin = r.randint(0, ALPHA_BINS)
+        estimates = [
+            estimate_at(chooser, r.randint(0, ALPHA_BINS) / ALPHA_BINS) for _ in range(batch)
+        ]
         alphas = [e.alpha_bin / ALPHA_BINS for e in estimates]
         weighed = chooser.expected_rates(estimates, batch)  # what choose compares, unchosen
         n = chooser.choose(estimates, batch)
@@ -339,8 +354,9 @@ def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
             chooser.observe(e, accepted_run(r, alpha, n), n)
             estimates.append(e.alpha_bin / ALPHA_BINS)
         # The estimate is shrunk towards the engine-wide prior (PRIOR_WEIGHT observations
-        # against ~5 verifies of memory): up to ~0.09 off at the ends of the range.
-        assert sum(estimates[100:]) / 300 == pytest.approx(alpha, abs=0.11)
+        # against ~5 verifies of memory), itself lagging the requests before: up to ~0.11 off
+        # at the ends of the range.
+        assert sum(estimates[100:]) / 300 == pytest.approx(alpha, abs=0.14)
 
 
 def test_calibrates_plain_decode_at_each_new_bucket() -> None:
@@ -385,8 +401,7 @@ def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
     picks among 0..N below it."""
     r = py_random(rng)
     chooser = DraftLengthChooser.for_device(DraftSchedule.resolve("auto", 2, "cpu"), "cpu")
-    always = AcceptanceEstimate()
-    always.alpha_bin = ALPHA_BINS
+    always = estimate_at(chooser, 1.0)
     for _ in range(20):
         batch = r.randint(1, 40)
         n = chooser.choose([always] * batch, batch)
@@ -497,7 +512,8 @@ def test_a_measured_probe_prices_drafting_steps_not_yet_timed(rng) -> None:
     measured drafting as dear (a host-bound GPU: ~2 decode steps a drafting step) and no
     drafting step was timed, requests of middling acceptance must not draft on the prior's
     word: an untimed N > 0 costs at least a decode step plus half a probe's extra. A timed N
-    is priced by its time."""
+    is priced by its time. (The fresh drafter's first drafts, before any probe, are timed at
+    what drafting costs there.)"""
     r = py_random(rng)
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
     decode = r.uniform(0.5e-3, 2e-3)
@@ -508,17 +524,17 @@ def test_a_measured_probe_prices_drafting_steps_not_yet_timed(rng) -> None:
         n = chooser.choose(nothing, 1)
         if pending:
             chooser.observe(nothing[0], 0, pending)
-        if n and not left:
+        if n and not left and chooser.probe_timing is not None:  # a probe: its span
             left = list(span)
         chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
-        chooser.record_if_uniform(chunks, n, decode * (left.pop(0) if left else 1.0))
+        steps = left.pop(0) if left else (2.0 if n else 1.0)
+        chooser.record_if_uniform(chunks, n, decode * steps)
         pending = n
     extra = chooser.measured_probe_cost(1)
     assert extra == pytest.approx((sum(span) - PROBE_SPAN) * decode)
-    middling = AcceptanceEstimate()
-    middling.alpha_bin = round(0.45 * ALPHA_BINS)
+    middling = estimate_at(chooser, 0.45)
     untimed = [n for n in range(1, NUM_SPEC + 1) if not chooser.costs.has(1, n)]
-    assert untimed == list(range(1, NUM_SPEC + 1))
+    assert 1 in untimed  # the probes' N: never a uniform step
     rates = chooser.expected_rates([middling], 1)
     assert all(chooser.step_cost(1, n) >= decode + extra / 2 for n in untimed)
     assert max(rates, key=rates.get) == 0, rates
@@ -528,7 +544,7 @@ def test_a_measured_probe_prices_drafting_steps_not_yet_timed(rng) -> None:
     prior_rates = fresh.expected_rates([middling], 1)
     assert max(prior_rates, key=prior_rates.get) > 0, prior_rates
     # A drafting step timed cheap is priced by its time.
-    chooser.record_step(1, 3, 1.1 * decode)
-    assert chooser.step_cost(1, 3) == pytest.approx(1.1 * decode)
+    chooser.record_step(1, 1, 1.1 * decode)
+    assert chooser.step_cost(1, 1) == pytest.approx(1.1 * decode)
     timed = chooser.expected_rates([middling], 1)
-    assert timed[3] > timed[0], timed
+    assert timed[1] > timed[0], timed
