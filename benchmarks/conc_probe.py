@@ -45,15 +45,17 @@ class StepRecord:
 
 def weighed(engine: object) -> dict | None:
     """The chooser's inputs for the running batch: its requests' mean alpha (never verified:
-    the prior), the engine-wide prior, cost(b, N) per allowed N and a probe's cost in ms, the
-    rates it compares (tokens a second, drafting's margin included), the probe interval and
-    whether it is calibrating; None for a fixed schedule."""
+    the prior of its kind), the engine-wide prior of greedy requests, cost(b, N) per allowed N
+    and a probe's cost in ms, the rates it compares (tokens a second, drafting's margin
+    included), the probe interval and whether it is calibrating; None for a fixed schedule."""
     chooser, running = engine.draft_length, engine.scheduler.running
     if chooser is None or not running or not chooser.schedule.is_adaptive:
         return None
-    batch, prior = len(running), chooser.prior_alpha
-    bins = [s.acceptance.alpha_bin for s in running]
-    alphas = [b / ALPHA_BINS if b >= 0 else prior for b in bins]
+    batch, prior = len(running), chooser.prior_alpha()
+    alphas = [
+        e.alpha_bin / ALPHA_BINS if e.alpha_bin >= 0 else chooser.prior_alpha(e.sampled)
+        for e in (s.acceptance for s in running)
+    ]
     allowed = chooser.allowed_by_cap[chooser.schedule.num_drafts(batch)]
     bucket = chooser.costs.bucket(batch)
     return {

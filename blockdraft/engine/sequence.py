@@ -51,7 +51,8 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.drafts: PendingDrafts | None = None  # proposed, verified when next scheduled
         self.spec_accept_lengths: list[int] = []
-        self.acceptance = AcceptanceEstimate()  # its drafts' acceptance, for choosing N
+        # Its drafts' acceptance, for choosing N (sampled requests have their own prior).
+        self.acceptance = AcceptanceEstimate(sampled=params.temperature > 0)
         self.text = ""
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -17,7 +17,11 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   E is convex in alpha, and a request whose few last verifies were short is not yet known to be
   a poor one (a request with alpha 0.7 drafted on ~60% of its steps when judged by its mean,
   ~90% by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
-  engine-wide estimate's E.
+  engine-wide estimate's E. Greedy and sampled requests keep separate engine-wide estimates:
+  the same drafter lands ~2.7 tokens a verify on maths at T = 0 and ~1.5 on chat at T = 1, and
+  one shared estimate, pulled down by sampled requests, kept a greedy request from drafting
+  at all until a probe reached it (`blockdraft bench`: its T = 0 sets after the T = 1 warm-up
+  never drafted on an H100).
 - cost(b, N) (`StepCostModel`): the wall time of the engine's uniform steps (every request
   verifies N and proposes N; no prefill), each from the end of the step before it (the engine's
   `_step_seconds`: the host's time between steps is part of the cost, and a caller's wait for
@@ -198,9 +202,10 @@ class AcceptanceEstimate:
     verified) and its expected tokens a verify commits at each N (`posterior_expected_tokens`;
     empty: never verified)."""
 
-    __slots__ = ("accepted", "rejected", "alpha_bin", "expected")
+    __slots__ = ("sampled", "accepted", "rejected", "alpha_bin", "expected")
 
-    def __init__(self) -> None:
+    def __init__(self, sampled: bool = False) -> None:
+        self.sampled = sampled  # the request samples (T > 0): its prior is sampled requests'
         self.accepted = 0.0
         self.rejected = 0.0
         self.alpha_bin = -1
@@ -234,9 +239,14 @@ class DraftLengthChooser:
     probe_interval: int = PROBE_INTERVAL
     # The share of plain decoding's time probes may lose (PROBE_BUDGET; benchmarks vary it).
     probe_budget: float = PROBE_BUDGET
-    # The drafter's engine-wide decayed counts: the prior of every request's alpha.
-    prior_accepted: float = INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT
-    prior_rejected: float = (1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT
+    # The drafter's engine-wide decayed counts, of greedy requests' verifies and of sampled
+    # ones' ([greedy, sampled]): the prior of each kind of request's alpha.
+    prior_accepted: list[float] = field(
+        default_factory=lambda: [INITIAL_ALPHA * INITIAL_PRIOR_WEIGHT] * 2
+    )
+    prior_rejected: list[float] = field(
+        default_factory=lambda: [(1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT] * 2
+    )
     steps_since_drafting: int = 0
     # The batch's lowest mean alpha bin since the last probe (-1: no probe yet).
     alpha_bin_since_probe: float = -1.0
@@ -277,19 +287,22 @@ class DraftLengthChooser:
         """`num_threads`: the CPU's torch threads (the step costs' prior depends on them)."""
         return cls(schedule, StepCostModel(CostPrior.for_device(device_type, num_threads)))
 
-    @property
-    def prior_alpha(self) -> float:
-        return self.prior_accepted / (self.prior_accepted + self.prior_rejected)
+    def prior_alpha(self, sampled: bool = False) -> float:
+        """The engine-wide estimate of greedy (or sampled) requests' alpha."""
+        accepted = self.prior_accepted[sampled]
+        return accepted / (accepted + self.prior_rejected[sampled])
 
     def observe(self, estimate: AcceptanceEstimate, num_accepted: int, num_drafts: int) -> None:
         """A verify of `num_drafts` drafts accepted `num_accepted` of them."""
         rejected = 1.0 if num_accepted < num_drafts else 0.0
         estimate.accepted = REQUEST_DECAY * estimate.accepted + num_accepted
         estimate.rejected = REQUEST_DECAY * estimate.rejected + rejected
-        self.prior_accepted = PRIOR_DECAY * self.prior_accepted + num_accepted
-        self.prior_rejected = PRIOR_DECAY * self.prior_rejected + rejected
-        a = estimate.accepted + PRIOR_WEIGHT * self.prior_alpha
-        b = estimate.rejected + PRIOR_WEIGHT * (1.0 - self.prior_alpha)
+        kind = estimate.sampled
+        self.prior_accepted[kind] = PRIOR_DECAY * self.prior_accepted[kind] + num_accepted
+        self.prior_rejected[kind] = PRIOR_DECAY * self.prior_rejected[kind] + rejected
+        prior = self.prior_alpha(kind)
+        a = estimate.accepted + PRIOR_WEIGHT * prior
+        b = estimate.rejected + PRIOR_WEIGHT * (1.0 - prior)
         estimate.alpha_bin = round(a / (a + b) * ALPHA_BINS)
         estimate.expected = posterior_expected_tokens(a, b, len(self.expected[0]) - 1)
 
@@ -414,20 +427,21 @@ class DraftLengthChooser:
     def _batch_view(self, estimates: Iterable[AcceptanceEstimate]) -> tuple[list[float], float]:
         """(tokens the batch's next verify commits on average at each N up to the schedule's
         largest, the batch's mean alpha bin); a request never verified counts at the
-        engine-wide estimate."""
-        prior_bin = round(self.prior_alpha * ALPHA_BINS)
-        fresh, bins, verified = 0, 0, []
+        engine-wide estimate of its kind (greedy or sampled)."""
+        fresh, bins, rows = [0, 0], 0, []
         for e in estimates:
             if e.alpha_bin < 0:
-                fresh += 1
+                fresh[e.sampled] += 1
             else:
                 bins += e.alpha_bin
-                verified.append(e.expected)
-        tokens = [fresh * t for t in self.expected[prior_bin]]
-        if verified:
-            columns = zip(*verified, strict=True)  # one per N
-            tokens = [t + sum(col) for t, col in zip(tokens, columns, strict=True)]
-        return tokens, (bins + fresh * prior_bin) / max(fresh + len(verified), 1)
+                rows.append(e.expected)
+        for kind, count in enumerate(fresh):
+            if count:
+                prior_bin = round(self.prior_alpha(bool(kind)) * ALPHA_BINS)
+                bins += count * prior_bin
+                rows += [self.expected[prior_bin]] * count
+        tokens = [sum(col) for col in zip(*rows, strict=True)]  # one column per N
+        return tokens or [0.0] * len(self.expected[0]), bins / max(len(rows), 1)
 
     def _rates(self, tokens: list[float], batch: int, allowed: tuple[int, ...]) -> dict[int, float]:
         """Expected tokens a second of the batch at each allowed N; drafting must beat plain

@@ -396,6 +396,30 @@ def test_cost_model_prior_scaling_and_clipping(rng) -> None:
     assert model.cost(other, 0) == prior(other, 0)
 
 
+def test_greedy_and_sampled_requests_have_their_own_prior(rng) -> None:
+    """Sampled requests whose drafts never land lower sampled requests' engine-wide estimate,
+    not greedy ones': a fresh greedy request still drafts where a fresh sampled one does not
+    (one shared estimate kept greedy requests from drafting after sampled ones)."""
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), 0.3, 0.05)
+    alpha = r.uniform(0.6, 0.9)
+    for _ in range(300):  # greedy requests' verifies, then many more of sampled ones'
+        chooser.observe(AcceptanceEstimate(), accepted_run(r, alpha, 3), 3)
+    for _ in range(r.randint(300, 600)):
+        chooser.observe(AcceptanceEstimate(sampled=True), 0, 3)
+    assert chooser.prior_alpha() == pytest.approx(alpha, abs=0.1)
+    assert chooser.prior_alpha(sampled=True) < 0.05
+    assert chooser.choose([AcceptanceEstimate()], 1) > 0
+    assert chooser.choose([AcceptanceEstimate(sampled=True)], 1) == 0
+    # A batch of both: its tokens at N are each kind's own.
+    both = [AcceptanceEstimate(), AcceptanceEstimate(sampled=True)]
+    rates = chooser.expected_rates(both, 2)
+    greedy = expected_tokens(round(chooser.prior_alpha() * ALPHA_BINS) / ALPHA_BINS, 3)
+    sampled = expected_tokens(round(chooser.prior_alpha(True) * ALPHA_BINS) / ALPHA_BINS, 3)
+    cost = chooser.step_cost(2, 3) * (1 + MIN_DRAFT_GAIN)
+    assert rates[3] == pytest.approx((greedy + sampled) / cost)
+
+
 def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
     """'auto' on the CPU: the chooser never drafts from AUTO_CPU_STOP_BATCH requests on, and
     picks among 0..N below it."""
@@ -454,7 +478,7 @@ def trusted_chooser(alpha: float, explore: bool = True) -> DraftLengthChooser:
     """'auto' on CUDA (0, 3 or 7 drafts at 32 requests) with a drafter history at `alpha`;
     `explore` False: its prior's explore_margin 0."""
     chooser = DraftLengthChooser.for_device(DraftSchedule.resolve("auto", 15, "cuda"), "cuda")
-    chooser.prior_accepted, chooser.prior_rejected = 100 * alpha, 100 * (1 - alpha)
+    chooser.prior_accepted, chooser.prior_rejected = [100 * alpha] * 2, [100 * (1 - alpha)] * 2
     if not explore:
         chooser.costs.prior = dataclasses.replace(chooser.costs.prior, explore_margin=0.0)
     return chooser

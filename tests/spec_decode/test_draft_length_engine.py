@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
-from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS
+from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS, INITIAL_ALPHA
 
 from sampling_checks import assert_same_token_law, seeded_samples
 from spies import spy_context_writes
@@ -114,6 +114,10 @@ def test_auto_drafts_the_most_for_an_agreeing_drafter(pairs, rng, temperature: f
     assert stats.steps_by_num_drafts.get(0, 0) <= CALIBRATION_STEPS + 2, stats.summary()
     assert max(stats.steps_by_num_drafts, key=stats.steps_by_num_drafts.get) == NUM_SPEC
     assert "steps by chosen N" in stats.summary()
+    # Its verifies taught the engine-wide estimate of its own kind of request only.
+    chooser, sampled = llm.engine.draft_length, temperature > 0
+    assert chooser.prior_alpha(sampled) > 0.9
+    assert chooser.prior_alpha(not sampled) == pytest.approx(INITIAL_ALPHA)
     if temperature == 0:
         ar = LLM(str(target)).generate(prompts, params, use_tqdm=False)
         assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
