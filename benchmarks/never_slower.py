@@ -9,7 +9,10 @@ prefill, whose drafter context the speculative engines write too) and then for `
 
     .venv/bin/python benchmarks/never_slower.py [--sets aime2025 mtbench] [--num-prompts 3]
         [--max-tokens 64] [--temperature 1] [--repeats 5] [--threads N] [--json F]
-        [--probe-budget 0.01 0.005]
+        [--probe-budget 0.01 0.005] [--fixed 15 7]
+
+`--fixed N...` adds engines that draft N every step (`num_speculative_tokens_by_batch` None):
+where the drafter is good the default should match the best of them.
 
 No --model: the embedded SmolLM2-135M-Instruct and its shipped drafter. Prompts: the first
 `--num-prompts` of each `blockdraft bench` set named.
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="also the default at each of these probe budgets (the chooser's PROBE_BUDGET, "
         "the share of plain decoding's time its probes may lose), taking turns with the rest",
     )  # fmt: skip
+    ap.add_argument(
+        "--fixed", type=int, nargs="*", default=[],
+        help="also engines drafting this many tokens every step, taking turns with the rest",
+    )  # fmt: skip
     add_turn_taking_args(ap)
     args = ap.parse_args(argv)
     if min(args.num_prompts, args.max_tokens, args.repeats) < 1:
@@ -58,6 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("--temperature must be >= 0")
     if any(not 0 < b <= 1 for b in args.probe_budget):
         raise SystemExit("--probe-budget values must be in (0, 1]")
+    if any(n < 1 for n in args.fixed):
+        raise SystemExit("--fixed values must be >= 1")
     common = {"model": args.model, "num_threads": args.threads}
     auto = {"method": "dflash", "model": args.draft}
     never = {**auto, "num_speculative_tokens_by_batch": {1: 0}}
@@ -70,6 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         llm = LLM(speculative_config=auto, **common)
         llm.engine.draft_length.probe_budget = budget
         engines[f"default, probe budget {budget:g}"] = llm
+    for n in args.fixed:
+        fixed = {**auto, "num_speculative_tokens": n, "num_speculative_tokens_by_batch": None}
+        engines[f"N = {n} every step"] = LLM(speculative_config=fixed, **common)
     prompts = [p for name in args.sets for p in load_prompt_set(name, args.num_prompts)]
     seeded = {"temperature": args.temperature, "seed": 0}
     prefill = SamplingParams(max_tokens=1, **seeded)
@@ -99,10 +111,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"{tau:.2f}" if tau else "-",
         ])  # fmt: skip
         chooser = engines[name].engine.draft_length
+        adaptive = chooser is not None and chooser.schedule.is_adaptive
         result["rows"].append({
             "engine": name, "prefill_ms": prefill_ms, "tok_s": rate, "vs_ar": rate / ar,
             "drafting_steps": drafting, "tau": tau,
-            "probe_budget": None if chooser is None else chooser.probe_budget,
+            "probe_budget": chooser.probe_budget if adaptive else None,
         })  # fmt: skip
     print_table(
         f"{' + '.join(args.sets)}, {len(prompts)} prompts x {args.max_tokens} tokens, "

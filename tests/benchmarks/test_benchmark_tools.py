@@ -438,9 +438,13 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     out = never_slower.main([
         "--sets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--repeats", "1",
         "--threads", "1", "--json", str(tmp_path / "out.json"), "--probe-budget", "0.01",
+        "--fixed", "3",
     ])  # fmt: skip
     rows = {r["engine"]: r for r in out["rows"]}
-    assert set(rows) == {"AR", "never drafting", "default", "default, probe budget 0.01"}
+    assert set(rows) == {
+        "AR", "never drafting", "default", "default, probe budget 0.01", "N = 3 every step"
+    }  # fmt: skip
+    assert rows["N = 3 every step"]["drafting_steps"] == 1.0  # every decode step verifies
     assert rows["default, probe budget 0.01"]["probe_budget"] == 0.01
     assert rows["default"]["probe_budget"] == PROBE_BUDGET and rows["AR"]["probe_budget"] is None
     assert all(r["tok_s"] > 0 and r["prefill_ms"] > 0 for r in rows.values())
@@ -451,6 +455,8 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
         never_slower.main(["--temperature", "-1"])
     with pytest.raises(SystemExit, match="--probe-budget"):
         never_slower.main(["--probe-budget", "0"])
+    with pytest.raises(SystemExit, match="--fixed"):
+        never_slower.main(["--fixed", "0"])
 
 
 def test_prefill_bench_times_the_triton_rule_against_its_twin(rng) -> None:
