@@ -15,8 +15,8 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify. A
   request's expected tokens at N are E(alpha, N) averaged over that posterior, not E at its mean:
   E is convex in alpha, and a request whose few last verifies were short is not yet known to be
-  a poor one (a request with alpha 0.7 drafted on ~60% of its steps when judged by its mean,
-  ~90% by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
+  a poor one (a request with alpha 0.7 drafted on ~70% of its steps when judged by its mean,
+  ~95% by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
   engine-wide estimate's E. Greedy and sampled requests keep separate engine-wide estimates:
   the same drafter lands ~2.7 tokens a verify on maths at T = 0 and ~1.5 on chat at T = 1, and
   one shared estimate, pulled down by sampled requests, kept a greedy request from drafting
@@ -80,8 +80,9 @@ PRIOR_DECAY = 0.99
 INITIAL_ALPHA = 0.6
 INITIAL_PRIOR_WEIGHT = 10.0
 # Weight of the engine-wide prior in a request's estimate, in observations (accepts + rejects):
-# with ~5 verifies of memory, 2 let two short runs of a good request stop its drafting (a
-# simulated alpha 0.7 at batch 1: 1.42x plain decoding with 4, 1.35x with 2).
+# with ~5 verifies of memory, 2 let two short runs of a good request stop its drafting
+# (`chooser_sim`, alpha 0.7 at batch 1: 1.50x plain decoding with 4, 1.47x with 2, judged over
+# the posterior; 1.41x / 1.35x judged at its mean).
 PRIOR_WEIGHT = 4.0
 # The expected rate gain over plain decoding that a step must promise to draft at all.
 MIN_DRAFT_GAIN = 0.03
