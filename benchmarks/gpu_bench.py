@@ -623,9 +623,6 @@ def main() -> None:
         }
 
     ar_conc = by_concurrency(ar, "AR conc")
-    prof_rows = []
-    for b in args.profile_batches if args.profile else []:
-        prof_rows += profile_steps(ar, prompt, args.steps, f"AR b{b}", batch=b)
     ar.shutdown()  # memory back before the next engine sizes its caches
     sd = dflash_llm(target, drafter, 15, None, args.accept, kw)
     sd_steps = {
@@ -634,8 +631,6 @@ def main() -> None:
     }
     fixed_conc = by_concurrency(sd, "N=15 conc")
     fixed_tau = sd.engine.spec_stats.mean_acceptance_length
-    for b in args.profile_batches if args.profile else []:
-        prof_rows += profile_steps(sd, prompt, args.steps, f"N=15 b{b}", batch=b)
     sd.shutdown()  # memory back before the next engine sizes its caches
     # The default: N by batch size, as users get it.
     auto = dflash_llm(target, drafter, 15, "auto", args.accept, kw)
@@ -647,8 +642,6 @@ def main() -> None:
     results["mean_acceptance_length_n15"] = fixed_tau
     results["auto_steps_by_n"] = dict(sorted(auto.engine.spec_stats.steps_by_num_drafts.items()))
     results["auto_step_ms"] = chooser_costs_ms(auto)
-    for b in args.profile_batches if args.profile else []:
-        prof_rows += profile_steps(auto, prompt, args.steps, f"auto b{b}", batch=b)
     auto.shutdown()  # memory back before the next engine sizes its caches
     small_conc: dict[int, float] = {}
     small_tau = float("nan")
@@ -721,9 +714,6 @@ def main() -> None:
             ["concurrency", "AR", f"DFlash block {args.small_block}", "speedup"],
             [[c, ar_conc[c], v, v / ar_conc[c]] for c, v in small_conc.items()],
         )
-    if prof_rows:
-        results["profile_ms"] = prof_rows
-        print_table("profile, ms per step", ["mode", "what", "ms"], prof_rows)
     # A kernel first specialised inside a timed pass is a stall in that figure.
     stalls = compiles.by_phase()
     results["triton_compiles_in_timed_phases"] = stalls if compiles.installed else None
@@ -740,6 +730,24 @@ def main() -> None:
         results["shipped_drafter"] = shipped_drafter_bench(
             args.drafter_prompts, args.drafter_tokens, repeats=args.drafter_repeats
         )
+    # Profiles only after every timing (part d. included), each engine made again: the profiler
+    # leaves CUPTI attached to the process when it stops (pytorch/pytorch#144455), and what
+    # runs after it runs slower (SmolLM2: an engine timed after another's profile, 1.14 ms a
+    # step against 0.70 without, H100).
+    prof_rows = []
+    profiled = {
+        "AR": lambda: LLM(str(target), **kw),
+        "N=15": lambda: dflash_llm(target, drafter, 15, None, args.accept, kw),
+        "auto": lambda: dflash_llm(target, drafter, 15, "auto", args.accept, kw),
+    }
+    for label, make in profiled.items() if args.profile else []:
+        llm = make()
+        for b in args.profile_batches:
+            prof_rows += profile_steps(llm, prompt, args.steps, f"{label} b{b}", batch=b)
+        llm.shutdown()
+    if prof_rows:
+        results["profile_ms"] = prof_rows
+        print_table("profile, ms per step", ["mode", "what", "ms"], prof_rows)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
