@@ -12,10 +12,10 @@ from blockdraft.kernels.forward_context import PAD_SLOT_ID
 from blockdraft.kernels.triton_jit_options import unspecialised
 
 # The counts and the block-table width change from step to step: not specialised (Triton would
-# compile values of 1 and multiples of 16 apart, i.e. a compile in the middle of serving). So
-# do the inputs' addresses: the launcher's index tensors are slices of one host transfer, whose
-# 16-byte alignment follows the batch's make-up (on the H200 such a compile shows at concurrency
-# 32); the kernel reads them element by element, so alignment buys it nothing.
+# compile values of 1 and multiples of 16 apart, i.e. a compile in the middle of serving). Nor
+# are the inputs' addresses: `host_tensors` starts each view 16-byte aligned, but a caller may
+# pass any slice (once a view's alignment followed the batch's make-up: a compile at concurrency
+# 32 on the H200), and the kernel reads them element by element, so alignment buys it nothing.
 _RUNTIME_SIZES = ["num_reqs", "num_props", "num_reqs_padded", "num_ctx_rows", "stride_bt",
                   "max_blocks"]  # fmt: skip
 _INPUT_POINTERS = ["anchor_tokens_ptr", "anchor_positions_ptr", "ctx_row_start_ptr",
