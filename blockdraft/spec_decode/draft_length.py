@@ -199,16 +199,18 @@ class StepCostModel:
 
 class AcceptanceEstimate:
     """One request's decayed counts of accepted drafts and of rejections (a verify that stopped
-    before its last draft), its posterior mean alpha on the ALPHA_BINS grid (-1: never
-    verified) and its expected tokens a verify commits at each N (`posterior_expected_tokens`;
-    empty: never verified)."""
+    before its last draft), its posterior Beta(a, b) and posterior mean alpha on the ALPHA_BINS
+    grid (-1: never verified), and its expected tokens a verify commits at each N
+    (`posterior_expected_tokens`; empty until a choice needs them after a verify: an engine
+    whose N is pinned never computes them)."""
 
-    __slots__ = ("sampled", "accepted", "rejected", "alpha_bin", "expected")
+    __slots__ = ("sampled", "accepted", "rejected", "posterior", "alpha_bin", "expected")
 
     def __init__(self, sampled: bool = False) -> None:
         self.sampled = sampled  # the request samples (T > 0): its prior is sampled requests'
         self.accepted = 0.0
         self.rejected = 0.0
+        self.posterior = (0.0, 0.0)
         self.alpha_bin = -1
         self.expected: list[float] = []
 
@@ -304,8 +306,8 @@ class DraftLengthChooser:
         prior = self.prior_alpha(kind)
         a = estimate.accepted + PRIOR_WEIGHT * prior
         b = estimate.rejected + PRIOR_WEIGHT * (1.0 - prior)
-        estimate.alpha_bin = round(a / (a + b) * ALPHA_BINS)
-        estimate.expected = posterior_expected_tokens(a, b, len(self.expected[0]) - 1)
+        estimate.posterior, estimate.alpha_bin = (a, b), round(a / (a + b) * ALPHA_BINS)
+        estimate.expected = []
 
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
@@ -435,6 +437,8 @@ class DraftLengthChooser:
                 fresh[e.sampled] += 1
             else:
                 bins += e.alpha_bin
+                if not e.expected:  # verified since the last choice
+                    e.expected = posterior_expected_tokens(*e.posterior, len(self.expected[0]) - 1)
                 rows.append(e.expected)
         for kind, count in enumerate(fresh):
             if count:

@@ -396,6 +396,29 @@ def test_cost_model_prior_scaling_and_clipping(rng) -> None:
     assert model.cost(other, 0) == prior(other, 0)
 
 
+def test_posterior_expected_tokens_average_e_over_the_beta_posterior(rng) -> None:
+    """A verified request's expected tokens at each N are E(alpha, N) averaged over its
+    Beta(a, b) posterior (checked against quadrature), at least E at the posterior's mean (E is
+    convex in alpha), and computed only when a choice needs them."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    e = AcceptanceEstimate()
+    for _ in range(r.randint(1, 6)):
+        chooser.observe(e, r.randint(0, NUM_SPEC), NUM_SPEC)
+    assert e.expected == []  # an engine with N pinned never needs them
+    a, b = e.posterior
+    grid = torch.linspace(0, 1, 200_001, dtype=torch.float64)[1:-1]
+    log_pdf = (a - 1) * grid.log() + (b - 1) * (1 - grid).log()
+    log_pdf -= math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    weights = log_pdf.exp() * (grid[1] - grid[0])
+    tokens, _ = chooser._batch_view([e])
+    for n in range(NUM_SPEC + 1):
+        e_n = sum(grid**k for k in range(n + 1))
+        assert tokens[n] == pytest.approx(float((weights * e_n).sum()), rel=2e-3)
+        assert tokens[n] >= expected_tokens(a / (a + b), n) - 1e-12
+    assert e.expected == tokens
+
+
 def test_greedy_and_sampled_requests_have_their_own_prior(rng) -> None:
     """Sampled requests whose drafts never land lower sampled requests' engine-wide estimate,
     not greedy ones': a fresh greedy request still drafts where a fresh sampled one does not
