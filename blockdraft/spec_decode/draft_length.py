@@ -110,9 +110,10 @@ MAX_PROBE_FLOOR = 1024
 # the probe step / a decode step - its expected tokens) / PROBE_BUDGET (a probe costing ~1.4
 # decode steps that commits 1.4 tokens loses nothing; one of 2 steps that commits 1.0 is kept
 # 100 steps apart). 1%, not 2%: at batch 1 on a host-bound GPU, T = 1, the default lost ~4% to
-# a never-drafting engine (H100, SmolLM2); `benchmarks/chooser_sim.py` puts such serving at
+# a never-drafting engine (H100, SmolLM2); `benchmarks/chooser_sim.py` put such serving at
 # 0.961 -> 0.972x plain decoding and drafts that never land at 0.969 -> 0.979x, a good drafter
-# 1.355 -> 1.349x (60 seeds).
+# 1.355 -> 1.349x (60 seeds, with each request judged at its mean alpha, before the posterior).
+# On the H100 afterwards, halving it again (0.5%) moved T = 1 serving by 0.3%.
 PROBE_BUDGET = 0.01
 # Once the best N is timed, an allowed N still priced by the prior alone is drafted for
 # EXPLORE_STEPS steps (enough for STEADY_AFTER untimed ones and a timed one) when the prior puts
