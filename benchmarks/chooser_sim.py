@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"the default draft length, simulated batch-1 serving ({args.requests} requests x "
         f"{args.tokens} tokens, {args.seeds} seeds)",
         ["scenario", "engine", "probe budget", "vs plain decoding", "steps drafting"],
-        [[r["scenario"], r["engine"], r["probe_budget"] or "", f"{r['vs_plain']:.3f}",
+        [[r["scenario"], r["engine"], f"{r['probe_budget']:g}" if r["probe_budget"] else "",
+          f"{r['vs_plain']:.3f}",
           f"{r['drafting_steps']:.1%}"] for r in rows],
     )  # fmt: skip
     return rows
