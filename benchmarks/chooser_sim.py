@@ -6,7 +6,11 @@ verify-only step after drafting 1.8, the two plain steps refilling the pipeline 
 acceptance scenario and probe budget: for weighing a change to the chooser before the GPU.
 
     python benchmarks/chooser_sim.py [--seeds 20] [--requests 6] [--tokens 128]
-        [--probe-budgets 0.02 0.01] [--fixed 7 15]
+        [--probe-budgets 0.02 0.01] [--fixed 7 15] [--slow-phases 0.3]
+
+`--slow-phases F`: the host runs every step SLOW_FACTOR times slower in stretches of
+SLOW_STRETCH steps, a share F of them (a noisy neighbour; plain decoding's time is taken
+through the same stretches).
 
 `--fixed N...` adds engines that draft N every step (the issue's yardstick where the drafter
 is good: the default should match the best fixed N).
@@ -34,6 +38,8 @@ from blockdraft.spec_decode.draft_schedule import DraftSchedule  # noqa: E402
 # The GPU's default schedule at batch 1: N in 0..15, the chooser's allowed values.
 SCHEDULE = DraftSchedule((1,), (15,), (0, 1, 2, 3, 7, 15))
 Acceptance = Callable[[int], float]  # a request's acceptance probability at an output position
+SLOW_FACTOR = 1.5
+SLOW_STRETCH = 40
 
 
 def step_time(previous: int, num_drafts: int, refill: bool, r: random.Random) -> float:
@@ -48,14 +54,23 @@ def step_time(previous: int, num_drafts: int, refill: bool, r: random.Random) ->
 
 
 def serve(
-    requests: list[Acceptance], tokens: int, budget: float, r: random.Random, fixed: int = -1
+    requests: list[Acceptance],
+    tokens: int,
+    budget: float,
+    r: random.Random,
+    fixed: int = -1,
+    slow_share: float = 0.0,
 ) -> tuple[float, float]:
     """(tokens per unit of time against plain decoding's, share of steps drafting) of one
     engine serving `requests` one at a time, `tokens` each: the default chooser at probe
-    budget `budget`, or N = `fixed` every step."""
+    budget `budget`, or N = `fixed` every step; a share `slow_share` of the steps in slow
+    stretches (plain decoding's time: one step a token, through the same stretches)."""
+    # The phases' own stream, drawn only with slow phases: runs without them stay as they were.
+    phases = random.Random(r.random()) if slow_share else None
+    slow, plain = False, 0.0
     chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
     chooser.probe_budget = budget
-    elapsed, produced, steps, drafting, previous, refill = 0.0, 0, 0, 0, 0, 0
+    elapsed, steps, drafting, previous, refill = 0.0, 0, 0, 0, 0
     for acceptance in requests:
         estimate, done, pending = AcceptanceEstimate(), 0, 0
         while done < tokens:
@@ -67,17 +82,20 @@ def serve(
                     accepted += 1
                 chooser.observe(estimate, accepted, pending)
                 got += accepted
-            t = step_time(previous, n, refill > 0, r)
+            if phases is not None and steps % SLOW_STRETCH == 0:
+                slow = phases.random() < slow_share
+            scale = SLOW_FACTOR if slow else 1.0
+            t = step_time(previous, n, refill > 0, r) * scale
             refill = 2 if (previous and not n) else max(refill - (not n), 0)
             chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
             chooser.record_if_uniform(chunks, n, t * 1e-3)
             elapsed += t
-            produced += got
+            plain += got * scale
             done += got
             steps += 1
             drafting += n > 0
             previous = pending = n
-    return produced / elapsed, drafting / steps
+    return plain / elapsed, drafting / steps
 
 
 def steady(alpha: float) -> Acceptance:
@@ -112,9 +130,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--probe-budgets", type=float, nargs="+", default=[PROBE_BUDGET])
     p.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-N engines too")
+    p.add_argument("--slow-phases", type=float, default=0.0, help="share of slow stretches")
     args = p.parse_args(argv)
     if min(args.seeds, args.requests, args.tokens) < 1:
         raise SystemExit("--seeds, --requests and --tokens must be >= 1")
+    if not 0 <= args.slow_phases <= 1:
+        raise SystemExit("--slow-phases must lie in [0, 1]")
     if bad := [n for n in args.fixed if n not in SCHEDULE.all_num_drafts]:
         raise SystemExit(f"--fixed {bad}: N must be one of {SCHEDULE.all_num_drafts}")
     engines = [("default", b, -1) for b in args.probe_budgets]
@@ -126,7 +147,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for seed in range(args.seeds):
                 r = random.Random(seed)
                 runs.append(serve([scenario(r) for _ in range(args.requests)], args.tokens,
-                                  budget or PROBE_BUDGET, r, fixed))  # fmt: skip
+                                  budget or PROBE_BUDGET, r, fixed, args.slow_phases))  # fmt: skip
             rows.append({
                 "scenario": name, "engine": engine, "probe_budget": budget,
                 "vs_plain": statistics.mean(v for v, _ in runs),

@@ -679,3 +679,26 @@ def test_chooser_sim_serves_each_scenario_at_each_probe_budget(capsys) -> None:
         chooser_sim.main(["--seeds", "0"])
     with pytest.raises(SystemExit, match="--fixed"):
         chooser_sim.main(["--fixed", "5"])
+    with pytest.raises(SystemExit, match="--slow-phases"):
+        chooser_sim.main(["--slow-phases", "1.5"])
+
+
+def test_chooser_sim_slow_phases_slow_plain_decoding_alike() -> None:
+    """With every step in a slow phase, a fixed-N engine's rate against plain decoding is the
+    calm one (plain decoding runs through the same phases); with some slow phases the default
+    still beats plain decoding with a good drafter."""
+    from benchmarks import chooser_sim
+
+    args = ["--seeds", "2", "--requests", "2", "--tokens", "64", "--fixed", "3"]
+    calm = chooser_sim.main(args)
+    slow = chooser_sim.main([*args, "--slow-phases", "1"])
+    some = chooser_sim.main([*args, "--slow-phases", "0.5"])
+    key = ("T = 0, a good drafter: alpha 0.7", "N = 3")
+    rate = {
+        name: next(r["vs_plain"] for r in rows if (r["scenario"], r["engine"]) == key)
+        for name, rows in (("calm", calm), ("slow", slow))
+    }
+    assert rate["slow"] == pytest.approx(rate["calm"], rel=0.05)
+    assert rate["calm"] > 1.1
+    good = next(r for r in some if (r["scenario"], r["engine"]) == (key[0], "default"))
+    assert good["vs_plain"] > 1.1
