@@ -702,3 +702,31 @@ def test_chooser_sim_slow_phases_slow_plain_decoding_alike() -> None:
     assert rate["calm"] > 1.1
     good = next(r for r in some if (r["scenario"], r["engine"]) == (key[0], "default"))
     assert good["vs_plain"] > 1.1
+
+
+def test_chooser_replay_hands_the_cuda_chooser_model_step_times(monkeypatch, capsys) -> None:
+    """The CPU engine runs with the CUDA chooser (N from 0, 3, 7, 15), fed the simulation's step
+    times: every step is counted at a CUDA N, the model time is in simulated decode steps (a
+    pass of only plain steps runs at 1x plain decoding); bad arguments are refused by name."""
+    from benchmarks import chooser_replay
+
+    # The prompt sets install from PyPI only with the bench extras: a question stands in.
+    monkeypatch.setattr(chooser_replay, "load_prompt_set", lambda name, n: ["What is 3 + 4?"][:n])
+    rows = chooser_replay.main(["--sets", "gsm8k", "--num-prompts", "1", "--max-tokens", "24",
+                                "--temperature", "0", "--passes", "2"])  # fmt: skip
+    assert [r["pass"] for r in rows] == [0, 1]
+    for r in rows:
+        assert set(r["steps_by_n"]) <= {0, 3, 7, 15}
+        steps = sum(r["steps_by_n"].values())
+        assert 1 <= steps <= 24
+        assert r["drafting_steps"] == pytest.approx(1 - r["steps_by_n"].get(0, 0) / steps)
+        # Plain steps cost 1-1.3 model units, drafting ~2: the rate is a plausible multiple.
+        assert 0.3 < r["vs_plain"] < 8
+        assert r["tau"] == 0 or r["drafting_steps"] > 0  # verifies only follow drafting steps
+    # The first steps of a fresh engine calibrate plain decoding (N = 0).
+    assert rows[0]["steps_by_n"].get(0, 0) >= 3
+    assert "steps by N" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--passes"):
+        chooser_replay.main(["--passes", "0"])
+    with pytest.raises(SystemExit, match="--temperature"):
+        chooser_replay.main(["--temperature", "-1"])
