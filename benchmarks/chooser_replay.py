@@ -46,7 +46,9 @@ class ModelClock:
     def reset(self) -> None:
         self.elapsed, self.steps = 0.0, Counter()
 
-    def __call__(self, chunks: list, num_drafts: int, seconds: float, pipelined: bool = True):
+    def __call__(
+        self, chunks: list, num_drafts: int, seconds: float, pipelined: bool = True
+    ) -> None:
         t = step_time(self.previous, num_drafts, self.refill > 0, self.r)
         self.refill = (
             2 if (self.previous and not num_drafts) else max(self.refill - (not num_drafts), 0)
