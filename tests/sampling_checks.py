@@ -175,4 +175,6 @@ def assert_same_token_law(
     for position in positions:
         a = [tokens[position] for tokens in plain]
         s = [tokens[position] for tokens in speculative]
-        assert two_sample_pvalue(a, s) > ALPHA, (position, sorted(set(a)), sorted(set(s)))
+        assert two_sample_pvalue(a, s) > ALPHA, (
+            position, sorted(set(a)), sorted(set(s)), f"BLOCKDRAFT_TEST_SEED={BASE_SEED}"
+        )  # fmt: skip
