@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.chooser_sim import step_time  # noqa: E402
+from benchmarks.chooser_sim import StepClock  # noqa: E402
 from benchmarks.common import print_table  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import PROMPT_SETS, load_prompt_set  # noqa: E402
@@ -39,8 +39,7 @@ class ModelClock:
 
     def __init__(self, chooser: DraftLengthChooser, seed: int) -> None:
         self.record = chooser.record_if_uniform
-        self.r = random.Random(seed)
-        self.previous = self.refill = 0
+        self.clock = StepClock(random.Random(seed))
         self.reset()
 
     def reset(self) -> None:
@@ -49,11 +48,7 @@ class ModelClock:
     def __call__(
         self, chunks: list, num_drafts: int, seconds: float, pipelined: bool = True
     ) -> None:
-        t = step_time(self.previous, num_drafts, self.refill > 0, self.r)
-        self.refill = (
-            2 if (self.previous and not num_drafts) else max(self.refill - (not num_drafts), 0)
-        )
-        self.previous = num_drafts
+        t = self.clock.step(num_drafts)
         self.elapsed += t
         self.steps[num_drafts] += 1
         self.record(chunks, num_drafts, t * 1e-3, pipelined)

@@ -42,15 +42,30 @@ SLOW_FACTOR = 1.5
 SLOW_STRETCH = 40
 
 
-def step_time(previous: int, num_drafts: int, refill: bool, r: random.Random) -> float:
-    """A step's time in plain decode steps (module docstring)."""
-    if num_drafts:
-        t = 2.0 + 0.01 * num_drafts
-    elif previous:
-        t = 1.8
-    else:
-        t = 1.3 if refill else 1.0
-    return t * r.uniform(0.97, 1.03)
+class StepClock:
+    """The step times of the module docstring's host-bound GPU, in plain decode steps: a step's
+    time depends on the step before it (a verify-only step after drafting) and on whether the
+    decode pipeline is still refilling (two plain steps after a verify)."""
+
+    def __init__(self, r: random.Random) -> None:
+        self.r = r
+        self.previous = 0  # the last step's N
+        self.refill = 0  # plain steps still refilling the pipeline
+
+    def step(self, num_drafts: int) -> float:
+        """The time of a step that drafts `num_drafts` (3% noise)."""
+        if num_drafts:
+            t = 2.0 + 0.01 * num_drafts
+        elif self.previous:
+            t = 1.8
+        else:
+            t = 1.3 if self.refill else 1.0
+        if self.previous and not num_drafts:
+            self.refill = 2
+        elif not num_drafts:
+            self.refill = max(self.refill - 1, 0)
+        self.previous = num_drafts
+        return t * self.r.uniform(0.97, 1.03)
 
 
 def serve(
@@ -70,7 +85,8 @@ def serve(
     slow, plain = False, 0.0
     chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
     chooser.probe_budget = budget
-    elapsed, steps, drafting, previous, refill = 0.0, 0, 0, 0, 0
+    clock = StepClock(r)
+    elapsed, steps, drafting = 0.0, 0, 0
     for acceptance in requests:
         estimate, done, pending = AcceptanceEstimate(), 0, 0
         while done < tokens:
@@ -85,8 +101,7 @@ def serve(
             if phases is not None and steps % SLOW_STRETCH == 0:
                 slow = phases.random() < slow_share
             scale = SLOW_FACTOR if slow else 1.0
-            t = step_time(previous, n, refill > 0, r) * scale
-            refill = 2 if (previous and not n) else max(refill - (not n), 0)
+            t = clock.step(n) * scale
             chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
             chooser.record_if_uniform(chunks, n, t * 1e-3)
             elapsed += t
@@ -94,7 +109,7 @@ def serve(
             done += got
             steps += 1
             drafting += n > 0
-            previous = pending = n
+            pending = n
     return plain / elapsed, drafting / steps
 
 
