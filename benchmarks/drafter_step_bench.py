@@ -171,13 +171,18 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     times: dict[tuple[str, int, float], float] = {}
     profiled: list[list[object]] = []
     drafter_dirs: dict[str, Path] = {}
+
+    def make_proposer(drafter_dir: Path) -> DFlashProposer:
+        """The drafter's proposer, sized for the largest batch at the context length."""
+        return build_proposer(
+            drafter_dir, target_hf, max_positions, max(args.batches) * width, dtype, device
+        )
+
     for name, dflash2 in (("DFlash", None), ("DFlash2", fields)):
         drafter_dir = drafter_dirs[name] = write_dummy_drafter(
             tmp / name, target_hf, layers, args.block, with_weights=False, dflash2=dflash2
         )
-        proposer = build_proposer(
-            drafter_dir, target_hf, max_positions, max(args.batches) * width, dtype, device
-        )
+        proposer = make_proposer(drafter_dir)
         for batch in sorted(args.batches, reverse=True):
             proposer.graphs.clear()  # one graph per batch size
             for temperature in args.temperatures:
@@ -191,9 +196,7 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     # process when it stops (pytorch/pytorch#144455), and what runs after it runs slower (an
     # engine timed after another's profile: 1.14 ms a step against 0.70 without, H100).
     for name, drafter_dir in drafter_dirs.items() if args.profile and device.type == "cuda" else []:
-        proposer = build_proposer(
-            drafter_dir, target_hf, max_positions, max(args.batches) * width, dtype, device
-        )
+        proposer = make_proposer(drafter_dir)
         for batch in args.profile_batches or [min(args.batches)]:
             proposer.graphs.clear()
             profiled += profile_step(proposer, name, batch, num_drafts, args.context_len, args.top)
