@@ -2,11 +2,13 @@
 draft accepted with a request's own probability, step times from a host-bound GPU's cost shape
 (SmolLM2-135M on an H100: a pipelined plain step 1, a synchronous drafting step ~2, the
 verify-only step after drafting 1.8, the two plain steps refilling the pipeline 1.3 each;
-3% noise). Prints the chooser's tokens per unit of time against plain decoding's for each
-acceptance scenario and probe budget: for weighing a change to the chooser before the GPU.
+3% noise; `--shape device-bound`: a large target's, a drafting step ~1.17 plain ones and no
+cost to switching). Prints the chooser's tokens per unit of time against plain decoding's for
+each acceptance scenario and probe budget: for weighing a change to the chooser before the GPU.
 
     python benchmarks/chooser_sim.py [--seeds 20] [--requests 6] [--tokens 128]
         [--probe-budgets 0.02 0.01] [--fixed 7 15] [--slow-phases 0.3]
+        [--shape device-bound]
 
 `--slow-phases F`: the host runs every step SLOW_FACTOR times slower in stretches of
 SLOW_STRETCH steps, a share F of them (a noisy neighbour; plain decoding's time is taken
@@ -23,6 +25,7 @@ import random
 import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,24 +45,47 @@ SLOW_FACTOR = 1.5
 SLOW_STRETCH = 40
 
 
-class StepClock:
-    """The step times of the module docstring's host-bound GPU, in plain decode steps: a step's
-    time depends on the step before it (a verify-only step after drafting) and on whether the
-    decode pipeline is still refilling (two plain steps after a verify)."""
+@dataclass(frozen=True)
+class StepShape:
+    """Step times in plain decode steps: a drafting step (`drafting` + `per_draft` * N), the
+    verify-only plain step right after drafting, and the two plain steps refilling the decode
+    pipeline after it."""
 
-    def __init__(self, r: random.Random) -> None:
+    drafting: float
+    per_draft: float
+    verify_only: float
+    refill: float
+
+
+SHAPES = {
+    # SmolLM2-135M on an H100: the host launches every step, the GPU idles most of it.
+    "host-bound": StepShape(drafting=2.0, per_draft=0.01, verify_only=1.8, refill=1.3),
+    # Qwen3.5-27B shapes on an H100 (`gpu_bench --shape qwen3.5-27b`, p = 0.8): decode 18.86 ms,
+    # verify + draft 22.1-22.6 ms whatever N; the GPU hides the host's switches.
+    "device-bound": StepShape(drafting=1.17, per_draft=0.0003, verify_only=1.0, refill=1.0),
+}
+
+
+class StepClock:
+    """The step times of a `StepShape`, in plain decode steps: a step's time depends on the step
+    before it (a verify-only step after drafting) and on whether the decode pipeline is still
+    refilling (two plain steps after a verify)."""
+
+    def __init__(self, r: random.Random, shape: StepShape = SHAPES["host-bound"]) -> None:
         self.r = r
+        self.shape = shape
         self.previous = 0  # the last step's N
         self.refill = 0  # plain steps still refilling the pipeline
 
     def step(self, num_drafts: int) -> float:
         """The time of a step that drafts `num_drafts` (3% noise)."""
+        shape = self.shape
         if num_drafts:
-            t = 2.0 + 0.01 * num_drafts
+            t = shape.drafting + shape.per_draft * num_drafts
         elif self.previous:
-            t = 1.8
+            t = shape.verify_only
         else:
-            t = 1.3 if self.refill else 1.0
+            t = shape.refill if self.refill else 1.0
         if self.previous and not num_drafts:
             self.refill = 2
         elif not num_drafts:
@@ -75,6 +101,7 @@ def serve(
     r: random.Random,
     fixed: int = -1,
     slow_share: float = 0.0,
+    shape: StepShape = SHAPES["host-bound"],
 ) -> tuple[float, float]:
     """(tokens per unit of time against plain decoding's, share of steps drafting) of one
     engine serving `requests` one at a time, `tokens` each: the default chooser at probe
@@ -85,7 +112,7 @@ def serve(
     slow, plain = False, 0.0
     chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
     chooser.probe_budget = budget
-    clock = StepClock(r)
+    clock = StepClock(r, shape)
     elapsed, steps, drafting = 0.0, 0, 0
     for acceptance in requests:
         estimate, done, pending = AcceptanceEstimate(), 0, 0
@@ -134,6 +161,7 @@ SCENARIOS: dict[str, Callable[[random.Random], Acceptance]] = {
     "T = 1-like: alpha 0.15-0.4": lambda r: steady(r.uniform(0.15, 0.4)),
     "T = 0 maths-like: 0.85 / 0.3 in stretches of 24": lambda r: stretches(r, 0.85, 0.3, 24),
     "T = 0, a good drafter: alpha 0.7": lambda r: steady(0.7),
+    "the published DFlash2 acceptance: alpha 0.8": lambda r: steady(0.8),
     "drafts never land: alpha 0": lambda r: steady(0.0),
 }
 
@@ -146,6 +174,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--probe-budgets", type=float, nargs="+", default=[PROBE_BUDGET])
     p.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-N engines too")
     p.add_argument("--slow-phases", type=float, default=0.0, help="share of slow stretches")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="host-bound",
+                   help="step-time model (module docstring)")  # fmt: skip
     args = p.parse_args(argv)
     if min(args.seeds, args.requests, args.tokens) < 1:
         raise SystemExit("--seeds, --requests and --tokens must be >= 1")
@@ -162,7 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for seed in range(args.seeds):
                 r = random.Random(seed)
                 runs.append(serve([scenario(r) for _ in range(args.requests)], args.tokens,
-                                  budget or PROBE_BUDGET, r, fixed, args.slow_phases))  # fmt: skip
+                                  budget or PROBE_BUDGET, r, fixed, args.slow_phases,
+                                  SHAPES[args.shape]))  # fmt: skip
             rows.append({
                 "scenario": name, "engine": engine, "probe_budget": budget,
                 "vs_plain": statistics.mean(v for v, _ in runs),
@@ -170,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             })  # fmt: skip
     print_table(
         f"the default draft length, simulated batch-1 serving ({args.requests} requests x "
-        f"{args.tokens} tokens, {args.seeds} seeds)",
+        f"{args.tokens} tokens, {args.seeds} seeds, {args.shape} steps)",
         ["scenario", "engine", "probe budget", "vs plain decoding", "steps drafting"],
         [[r["scenario"], r["engine"], f"{r['probe_budget']:g}" if r["probe_budget"] else "",
           f"{r['vs_plain']:.3f}",

@@ -31,9 +31,10 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   An N not measured yet at a bucket is scaled from the measured ones by the analytic prior
   1 + drafter_overhead + per_row * b * N (in decode steps), and one not timed where probes
   were, at least at a decode step plus half a probe's measured extra (`step_cost`). Plain
-  decode (N = 0) is timed for a few steps when a bucket is first met and again every
-  RECALIBRATE_INTERVAL steps while the batch drafts, so the comparison with speculation rests
-  on this machine's current times, not on the prior.
+  decode (N = 0) is timed for a few steps when a bucket is first met and again while the batch
+  drafts, every RECALIBRATE_INTERVAL steps or further apart where drafting wins by so much that
+  a stale decode time could not change the choice (`_recalibration_due`), so the comparison
+  with speculation rests on this machine's current times, not on the prior.
 - exploring: the chooser only times the N it drafts, so an N that the prior prices a little
   worse than the best is drafted for a few steps once per batch bucket, once the best is
   timed, to be timed too (on a GPU: `CUDA_EXPLORE_MARGIN`).
@@ -96,9 +97,17 @@ COST_WINDOW = 5
 STEADY_AFTER = 2
 # Plain-decode steps run the first time a batch bucket is met (the first one after a change of
 # N is not uniform, so this times CALIBRATION_STEPS - 1 - STEADY_AFTER), and how many steps a
-# bucket drafts before they are timed again.
+# bucket drafts at least before they are timed again.
 CALIBRATION_STEPS = 6
 RECALIBRATE_INTERVAL = 256
+# Calibrating again may lose at most this share of the drafting batch's time: its steps run at
+# plain decoding's rate where drafting's was due, so the interval is at least CALIBRATION_STEPS
+# * (1 - plain rate / drafting rate) / RECALIBRATE_BUDGET steps. Where drafting wins 4x (27B
+# shape at p = 0.8 on an H100) that is ~900 steps: every 256, the default ran at 4.00x plain
+# decoding against fixed N = 15's 4.10x, now 4.05x (`chooser_sim --shape device-bound
+# --requests 6 --tokens 512`, alpha 0.8; a 512-token request with a recalibration in it lost
+# 3.5%). Where drafting barely pays, a stale decode time can flip the choice, and 256 holds.
+RECALIBRATE_BUDGET = 0.005
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
 # Steps whose wall time a probe changes: the one that chose it (async decode launches nothing
@@ -403,6 +412,8 @@ class DraftLengthChooser:
         if rates[best] <= 0.0:
             best = 0
         if best:
+            if self._recalibration_due(batch, rates[0] / rates[best]):
+                return 0
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
             if self.ramp and best > 2 * self.ramp:
                 # The largest allowed N up to twice the ramp's, else the next allowed above it
@@ -510,17 +521,32 @@ class DraftLengthChooser:
         return math.ceil(max(loss, 0.0) / self.probe_budget)
 
     def _calibrating(self, batch: int) -> bool:
-        """Whether this step is one of the plain-decode steps that time N = 0 at a bucket met
-        for the first time, or not timed for RECALIBRATE_INTERVAL steps."""
+        """Whether this step is one of the plain-decode steps that time N = 0 at a bucket: the
+        first one there, or a calibration under way."""
         bucket = StepCostModel.bucket(batch)
         left = self.calibrating.get(bucket, 0)
         if left:
             self.calibrating[bucket] = left - 1
             return True
-        timed = self.decode_timed_at.get(bucket)
-        if timed is not None and self.num_steps - timed < RECALIBRATE_INTERVAL:
+        if bucket in self.decode_timed_at:
             return False
+        self._start_calibration(bucket)
+        return True
+
+    def _recalibration_due(self, batch: int, plain_share: float) -> bool:
+        """Whether a drafting batch, whose plain decoding would run at `plain_share` of its
+        expected rate, times N = 0 again now (RECALIBRATE_BUDGET)."""
+        bucket = StepCostModel.bucket(batch)
+        interval = max(
+            RECALIBRATE_INTERVAL,
+            CALIBRATION_STEPS * max(1.0 - plain_share, 0.0) / RECALIBRATE_BUDGET,
+        )
+        if self.num_steps - self.decode_timed_at[bucket] < interval:
+            return False
+        self._start_calibration(bucket)
+        return True
+
+    def _start_calibration(self, bucket: int) -> None:
         # Counted as timed now: steps that turn out not uniform (prefills) wait for the next.
         self.decode_timed_at[bucket] = self.num_steps
         self.calibrating[bucket] = CALIBRATION_STEPS - 1
-        return True

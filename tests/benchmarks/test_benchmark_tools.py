@@ -704,6 +704,31 @@ def test_chooser_sim_slow_phases_slow_plain_decoding_alike() -> None:
     assert good["vs_plain"] > 1.1
 
 
+def test_chooser_sim_device_bound_shape_prices_drafting_near_a_decode_step() -> None:
+    """On the device-bound shape a drafting step costs ~1.17 plain ones, so N = 15 at alpha 0.8
+    runs near E(0.8, 15) / 1.17 = 4.2x plain decoding (host-bound: / ~2.1) and drafts that never
+    land cost N = 15 ~15%; an unknown shape is refused by name."""
+    from benchmarks import chooser_sim
+
+    args = ["--seeds", "2", "--requests", "1", "--tokens", "256", "--fixed", "15"]
+    rate = {
+        shape: {
+            r["scenario"]: r["vs_plain"]
+            for r in chooser_sim.main([*args, "--shape", shape])
+            if r["engine"] == "N = 15"
+        }
+        for shape in ("device-bound", "host-bound")
+    }
+    expected = (1 - 0.8**16) / 0.2
+    good = "the published DFlash2 acceptance: alpha 0.8"
+    assert rate["device-bound"][good] == pytest.approx(expected / 1.1745, rel=0.15)
+    assert rate["host-bound"][good] == pytest.approx(expected / 2.15, rel=0.15)
+    never = rate["device-bound"]["drafts never land: alpha 0"]
+    assert never == pytest.approx(1 / 1.1745, rel=0.05)
+    with pytest.raises(SystemExit):
+        chooser_sim.main(["--shape", "tpu"])
+
+
 def test_chooser_replay_hands_the_cuda_chooser_model_step_times(monkeypatch, capsys) -> None:
     """The CPU engine runs with the CUDA chooser (N from 0, 3, 7, 15), fed the simulation's step
     times: every step is counted at a CUDA N, the model time is in simulated decode steps (a

@@ -22,6 +22,7 @@ from blockdraft.spec_decode.draft_length import (
     PROBE_BUDGET,
     PROBE_INTERVAL,
     PROBE_SPAN,
+    RECALIBRATE_BUDGET,
     RECALIBRATE_INTERVAL,
     STEADY_AFTER,
     AcceptanceEstimate,
@@ -361,8 +362,7 @@ def test_estimate_converges_to_the_acceptance_rate(rng) -> None:
 
 def test_calibrates_plain_decode_at_each_new_bucket() -> None:
     """A batch bucket met for the first time decodes (N = 0) for CALIBRATION_STEPS steps unless
-    its decode steps were timed, and again after RECALIBRATE_INTERVAL steps of drafting
-    (CUDA's prior: drafting pays at once)."""
+    its decode steps were timed (CUDA's prior: drafting pays at once after them)."""
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
     one = [AcceptanceEstimate()]
     assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
@@ -370,11 +370,32 @@ def test_calibrates_plain_decode_at_each_new_bucket() -> None:
     chooser.record_step(2, 0, 0.01)
     assert chooser.choose(one * 3, 3) > 0  # bucket 2-3: decode timed
     assert chooser.choose(one * 4, 4) == 0  # bucket 4-7: new
-    chosen = [chooser.choose(one, 1) for _ in range(2 * RECALIBRATE_INTERVAL)]
-    calibrations = [i for i, n in enumerate(chosen) if n == 0]
-    assert len(calibrations) == 2 * CALIBRATION_STEPS, calibrations
     chooser.record_step(3, 0, 0.01)  # a batch that decodes needs no calibration
     assert all(chooser.choose(one * 3, 3) for _ in range(RECALIBRATE_INTERVAL - 1))
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.95])
+def test_recalibrates_plain_decode_as_often_as_the_budget_allows(alpha: float) -> None:
+    """A drafting batch times plain decoding again after RECALIBRATE_INTERVAL steps, or after
+    as many as keep the calibration's lost rate within RECALIBRATE_BUDGET when drafting wins
+    by much (a good drafter's batch recalibrates less often than a marginal one's)."""
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    chooser.prior_accepted = [alpha * 1e6] * 2
+    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    one = [AcceptanceEstimate()]
+    assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
+    rates = chooser.expected_rates(one, 1)
+    best = max(rates, key=rates.get)
+    assert best > 0, rates
+    lost = CALIBRATION_STEPS * (1 - rates[0] / rates[best]) / RECALIBRATE_BUDGET
+    interval = max(RECALIBRATE_INTERVAL, lost)
+    chosen = [chooser.choose(one, 1) for _ in range(3 * math.ceil(interval))]
+    starts = [i for i, n in enumerate(chosen) if n == 0 and (i == 0 or chosen[i - 1])]
+    assert all(chosen[i : i + CALIBRATION_STEPS] == [0] * CALIBRATION_STEPS for i in starts)
+    assert chosen.count(0) == len(starts) * CALIBRATION_STEPS
+    gaps = [b - a for a, b in zip([-CALIBRATION_STEPS, *starts], starts, strict=False)]
+    assert len(gaps) >= 2 and all(gap == math.ceil(interval) for gap in gaps), (gaps, interval)
+    assert (interval > RECALIBRATE_INTERVAL) == (alpha > 0.5), (alpha, interval)
 
 
 def test_cost_model_prior_scaling_and_clipping(rng) -> None:
