@@ -404,19 +404,31 @@ class DraftLengthChooser:
         return self.costs.cost(batch, probe) - self.costs.cost(batch, 0)
 
     def step_cost(self, batch: int, num_drafts: int) -> float:
-        """cost(b, N) as `choose` weighs it: timed, else the prior's, and for N > 0 not timed at
-        this bucket at least a decode step plus half a measured probe's extra. A probe's span
-        holds two drafting steps (the probe proposes, the next verifies), and drafting steps
-        are only timed once STEADY_AFTER of them ran in a row, which short drafting runs never
-        do: at batch 1 on a host-bound GPU the prior's 1.36 decode steps a drafting step stood
-        against ~2 real ones for as long as the engine ran, and requests whose drafts rarely
-        land kept drafting after each lucky verify."""
-        cost = self.costs.cost(batch, num_drafts)
-        if num_drafts and not self.costs.has(batch, num_drafts):
-            probe = self.measured_probe_cost(batch)
-            if probe is not None:
-                cost = max(cost, self.costs.cost(batch, 0) + probe / 2)
-        return cost
+        """cost(b, N) as `choose` weighs it (`step_costs`)."""
+        return self.step_costs(batch, (num_drafts,))[num_drafts]
+
+    def step_costs(self, batch: int, allowed: Iterable[int]) -> dict[int, float]:
+        """cost(b, N) as `choose` weighs it, for each allowed N: timed, else the prior's, and for
+        N > 0 not timed at this bucket at least a decode step plus half a measured probe's
+        extra. A probe's span holds two drafting steps (the probe proposes, the next verifies),
+        and drafting steps are only timed once STEADY_AFTER of them ran in a row, which short
+        drafting runs never do: at batch 1 on a host-bound GPU the prior's 1.36 decode steps a
+        drafting step stood against ~2 real ones for as long as the engine ran, and requests
+        whose drafts rarely land kept drafting after each lucky verify. (One pass over the
+        bucket's state: `choose` runs every step, on the host of a small target's ~1 ms step.)"""
+        costs = self.costs
+        bucket = StepCostModel.bucket(batch)
+        unit = costs.unit.get(bucket, 1.0)
+        probe = self.probe_measured.get(bucket)
+        out = {}
+        for n in allowed:
+            cost = costs.measured.get((bucket, n))
+            if cost is None:
+                cost = unit * costs.prior(batch, n)
+                if n and probe is not None:
+                    cost = max(cost, self.step_costs(batch, (0,))[0] + probe / 2)
+            out[n] = cost
+        return out
 
     def choose(self, estimates: Iterable[AcceptanceEstimate], batch: int) -> int:
         """N for the drafts proposed now by a batch of `batch` requests (their estimates)."""
@@ -489,6 +501,8 @@ class DraftLengthChooser:
                 prior_bin = round(self.prior_alpha(bool(kind)) * ALPHA_BINS)
                 bins += count * prior_bin
                 rows += [self.expected[prior_bin]] * count
+        if len(rows) == 1:  # batch 1: the request's own row (read, never written)
+            return rows[0], bins
         tokens = [sum(col) for col in zip(*rows, strict=True)]  # one column per N
         return tokens or [0.0] * len(self.expected[0]), bins / max(len(rows), 1)
 
@@ -496,10 +510,8 @@ class DraftLengthChooser:
         """Expected tokens a second of the batch at each allowed N; drafting must beat plain
         decoding by a margin (step costs are measured, and noise alone must not keep a batch
         drafting when nothing is accepted)."""
-        return {
-            n: tokens[n] / self.step_cost(batch, n) / (1.0 + MIN_DRAFT_GAIN * (n > 0))
-            for n in allowed
-        }
+        costs = self.step_costs(batch, allowed)
+        return {n: tokens[n] / costs[n] / (1.0 + MIN_DRAFT_GAIN * (n > 0)) for n in allowed}
 
     def expected_rates(
         self, estimates: Iterable[AcceptanceEstimate], batch: int
