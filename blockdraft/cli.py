@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+# Where `blockdraft bench` writes its JSON and plot unless told (a folder, not the working tree).
+BENCH_RESULTS = "results"
+
 HelpFormatter = argparse.ArgumentDefaultsHelpFormatter  # every --help shows the defaults
 
 
@@ -297,6 +300,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         )
     for temperature in args.temperatures:  # bad values fail before the models load
         SamplingParams(temperature=temperature, max_tokens=args.max_tokens)
+    if args.json is None or args.plot is None:  # raw results stay out of the working tree
+        Path(BENCH_RESULTS).mkdir(exist_ok=True)
+        args.json = args.json or f"{BENCH_RESULTS}/bench.json"
+        args.plot = args.plot or f"{BENCH_RESULTS}/bench.png"
     for out in (args.json, args.plot):  # and so does an unwritable output path
         if not Path(out).resolve().parent.is_dir():
             raise ValueError(f"cannot write {out}: its directory does not exist")
@@ -396,9 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="timed passes per engine, taken in turns; the median tok/s is reported",
     )
-    bench.add_argument("--json", default="bench.json", help="results file")
+    bench.add_argument("--json", help=f"results file (default {BENCH_RESULTS}/bench.json)")
     bench.add_argument(
-        "--plot", default="bench.png", help="acceptance histograms (needs matplotlib)"
+        "--plot",
+        help=f"acceptance histograms, needs matplotlib (default {BENCH_RESULTS}/bench.png)",
     )
     bench.set_defaults(func=cmd_bench)
     from blockdraft.train.cli import add_train_draft_parser

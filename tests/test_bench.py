@@ -121,3 +121,27 @@ def test_engines_made_one_at_a_time_run_one_after_the_other(monkeypatch) -> None
     assert events == ["make ar", "ar", "ar", "ar", "shut down ar",
                       "make sd", "sd", "sd", "sd", "shut down sd"]  # fmt: skip
     assert r.mean_acceptance_length == 3 and r.ar_tok_s == r.dflash_tok_s == 1.0
+
+
+def test_bench_writes_its_results_under_results_unless_told(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`blockdraft bench` with no --json writes results/bench.json (made if missing) in the
+    working directory, not bench.json beside the user's files; --json still goes where told."""
+    import blockdraft.bench as bench
+
+    target = make_predictable_target(tmp_path / "target")
+    drafter = make_dflash_drafter(tmp_path / "drafter", target, agree_with_target=True)
+    monkeypatch.setattr(bench, "load_prompt_set", lambda name, n: ["w10 w11"][:n])
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    args = ["bench", "--model", str(target), "--draft", str(drafter), "--sets", "gsm8k",
+            "--num-prompts", "1", "--max-tokens", "8", "--temperatures", "0"]  # fmt: skip
+    main(args)
+    (row,) = json.loads((work / "results" / "bench.json").read_text())
+    assert row["set"] == "gsm8k" and row["dflash_tok_s"] > 0, row
+    assert not (work / "bench.json").exists()
+    assert "results in results/bench.json" in capsys.readouterr().out
+    main([*args, "--json", str(work / "mine.json")])
+    assert json.loads((work / "mine.json").read_text())[0]["set"] == "gsm8k"
