@@ -12,9 +12,11 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   geometric runs, alpha^accepted (1 - alpha)^rejections (accepted / drafted would underestimate
   alpha: a run stopped by a rejection says nothing about the drafts after it), so with a Beta
   prior centred on the drafter's running engine-wide estimate (PRIOR_WEIGHT observations) its
-  posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify and,
-  more gently, at each step its batch drafts nothing (IDLE_DECAY: a poor stretch of text is
-  not the whole request). A request's expected tokens at N are E(alpha, N) averaged over that
+  posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify (not
+  at idle steps: decaying them there too, towards the prior, let drafting resume after a poor
+  stretch, +4% on maths-like stretches in `chooser_sim`, but erased what widely spaced probes
+  found, and a request whose text became predictable after a long unpredictable stretch never
+  drafted again). A request's expected tokens at N are E(alpha, N) averaged over that
   posterior, not E at its mean: E is convex in alpha, and a request whose few last verifies
   were short is not yet known to be a poor one (a request with alpha 0.7 drafted on ~70% of
   its steps when judged by its mean,
@@ -77,21 +79,6 @@ from blockdraft.spec_decode.draft_schedule import DraftSchedule
 ALPHA_BINS = 64
 # Per-request decay of the accepted / rejected counts at each verify (~5 verifies of memory).
 REQUEST_DECAY = 0.8
-# A request's counts also decay by IDLE_DECAY a step while its batch drafts nothing, applied
-# every IDLE_AGE_STEPS steps (each decay recomputes the request's expected tokens: ~2 us at
-# batch 1, 32 at batch 16 on this host when done every step). Its acceptance moves along its
-# text (maths: formulas, then prose), and a belief frozen at a poor stretch's low kept it from
-# drafting into the next good stretch until a probe reached it; the estimate drifts back to the
-# drafter's engine-wide prior, which is low where no request's drafts land.
-# `chooser_sim --seeds 200`, no decay -> 0.95 every 4 steps: maths-like stretches 1.071 ->
-# 1.111x plain decoding, T = 1-like 0.975 -> 0.973x, a good drafter and drafts that never land
-# unchanged (1.486x, 0.982x); `--shape device-bound`: T = 1-like 1.134 -> 1.147x, maths-like
-# 2.019 -> 2.036x, drafts that never land 0.994 -> 0.993x. On the shipped drafter's real T = 0
-# acceptance (`chooser_replay`, GSM8K + HumanEval) 1.079 / 1.101x -> 1.116 / 1.117x in two
-# passes; at T = 1 (AIME + MT-Bench) 0.973 / 0.993x -> 0.969 / 0.995x. A decay of 0.9 took T =
-# 1-like serving to 0.967x.
-IDLE_DECAY = 0.95
-IDLE_AGE_STEPS = 4
 # The engine-wide estimate's decay per verify, and its starting point: a fresh drafter is
 # trusted enough to be tried (its first verifies then set the prior).
 PRIOR_DECAY = 0.99
@@ -227,10 +214,10 @@ class StepCostModel:
 
 class AcceptanceEstimate:
     """One request's decayed counts of accepted drafts and of rejections (a verify that stopped
-    before its last draft), its posterior Beta(a, b) and the posterior mean alpha at its last
-    verify on the ALPHA_BINS grid (-1: never verified), and its expected tokens a verify
-    commits at each N (`posterior_expected_tokens`; empty until a choice needs them after a
-    verify or an idle step's decay: an engine whose N is pinned never computes them)."""
+    before its last draft), its posterior Beta(a, b) and posterior mean alpha on the ALPHA_BINS
+    grid (-1: never verified), and its expected tokens a verify commits at each N
+    (`posterior_expected_tokens`; empty until a choice needs them after a verify: an engine
+    whose N is pinned never computes them)."""
 
     __slots__ = ("sampled", "accepted", "rejected", "posterior", "alpha_bin", "expected")
 
@@ -333,15 +320,12 @@ class DraftLengthChooser:
         self.prior_rejected[kind] = PRIOR_DECAY * self.prior_rejected[kind] + rejected
         self._update_posterior(estimate)
 
-    def _update_posterior(self, estimate: AcceptanceEstimate, verified: bool = True) -> None:
-        """The posterior from the decayed counts; its mean's bin only at a verify (the probes'
-        back-off reads what verifies found, not the drift of idle steps)."""
+    def _update_posterior(self, estimate: AcceptanceEstimate) -> None:
         prior = self.prior_alpha(estimate.sampled)
         a = estimate.accepted + PRIOR_WEIGHT * prior
         b = estimate.rejected + PRIOR_WEIGHT * (1.0 - prior)
-        estimate.posterior, estimate.expected = (a, b), []
-        if verified:
-            estimate.alpha_bin = round(a / (a + b) * ALPHA_BINS)
+        estimate.posterior, estimate.alpha_bin = (a, b), round(a / (a + b) * ALPHA_BINS)
+        estimate.expected = []
 
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
@@ -441,9 +425,7 @@ class DraftLengthChooser:
             return 0
         if (explored := self._continue_exploring(batch, allowed)) is not None:
             return explored
-        idle = self.steps_since_drafting
-        age = IDLE_DECAY**IDLE_AGE_STEPS if idle and not idle % IDLE_AGE_STEPS else 1.0
-        tokens, mean_bin = self._batch_view(estimates, age)
+        tokens, mean_bin = self._batch_view(estimates)
         rates = self._rates(tokens, batch, allowed)
         best = max(allowed, key=lambda n: (rates[n], -n))
         if rates[best] <= 0.0:
@@ -477,21 +459,15 @@ class DraftLengthChooser:
         self.ramp = probe
         return probe
 
-    def _batch_view(
-        self, estimates: Iterable[AcceptanceEstimate], age: float = 1.0
-    ) -> tuple[list[float], float]:
+    def _batch_view(self, estimates: Iterable[AcceptanceEstimate]) -> tuple[list[float], float]:
         """(tokens the batch's next verify commits on average at each N up to the schedule's
         largest, the batch's mean alpha bin); a request never verified counts at the
-        engine-wide estimate of its kind (greedy or sampled). `age` < 1: each request's counts
-        are decayed by it first (IDLE_DECAY)."""
+        engine-wide estimate of its kind (greedy or sampled)."""
         fresh, bins, rows = [0, 0], 0, []
         for e in estimates:
             if e.alpha_bin < 0:
                 fresh[e.sampled] += 1
             else:
-                if age < 1.0:
-                    e.accepted, e.rejected = e.accepted * age, e.rejected * age
-                    self._update_posterior(e, verified=False)
                 bins += e.alpha_bin
                 if not e.expected:  # verified since the last choice
                     e.expected = posterior_expected_tokens(*e.posterior, len(self.expected[0]) - 1)

@@ -157,6 +157,18 @@ def choose_in_runs(llm: LLM, r: random.Random) -> list[int]:
     return picks
 
 
+def count_calls(obj: object, name: str) -> list[int]:
+    """Wraps obj.name to count its calls; returns the list it appends a 1 to at each."""
+    calls, method = [], getattr(obj, name)
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, spy)
+    return calls
+
+
 def count_steps_launched_ahead(llm: LLM) -> list[int]:
     """Counts the N = 0 steps the engine launches ahead (async decode); returns the count."""
     count, launched = [0], llm.engine.decode_ahead_launched
@@ -236,9 +248,13 @@ def test_finished_requests_deferred_context_waits_until_its_blocks_pass_on(
         engine.draft_launcher.defer_context = defer
         engine.draft_length.choose = lambda estimates, batch: 0
         writes = spy_context_writes(llm)
+        builds = count_calls(engine.draft_launcher.proposer, "prepare_inputs")
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         assert [o.outputs[0].token_ids for o in outs] == [a.outputs[0].token_ids for a in ar]
         if defer:
+            # Drafter inputs for the prefills only: a plain decode step's rows are kept from
+            # the host's positions and slots.
+            assert len(builds) == len(prompts), builds
             # A request's rows: its prompt's, then one a decode step (the last token is not fed).
             rows = [len(p) + params.max_tokens - 1 for p in prompts]
             if pool == "roomy":
