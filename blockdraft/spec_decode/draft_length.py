@@ -404,13 +404,14 @@ class DraftLengthChooser:
         bucket = StepCostModel.bucket(batch)
         unit = costs.unit.get(bucket, 1.0)
         probe = self.probe_measured.get(bucket)
+        decode = costs.measured.get((bucket, 0), unit)  # the prior prices N = 0 at one unit
         out = {}
         for n in allowed:
             cost = costs.measured.get((bucket, n))
             if cost is None:
                 cost = unit * costs.prior(batch, n)
                 if n and probe is not None:
-                    cost = max(cost, self.step_costs(batch, (0,))[0] + probe / 2)
+                    cost = max(cost, decode + probe / 2)
             out[n] = cost
         return out
 
