@@ -24,7 +24,6 @@ from blockdraft.engine.tp_workers import TensorParallelWorkers
 from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
-from blockdraft.runtime.host_batch import flat_slots
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MIN_ROWS, LaunchedDrafts
 from blockdraft.spec_decode.speculator import build_speculator
@@ -337,13 +336,8 @@ class LLMEngine:
         """`DecodeAheadHooks`: keeps the step's rows for the drafter's deferred context."""
         self.next_num_drafts = None
         self.apply_window_updates(self._take_window_updates())
-        if self.deferred_rows_may_be_overwritten():  # a block reserved for the step
-            self.draft_launcher.write_deferred()
-        chunks = step.chunks
-        positions = [c.start for c in chunks]
-        tables = [c.seq.block_table for c in chunks]
-        slots = flat_slots(tables, positions, [1] * len(chunks), self.config.block_size)
-        self.draft_launcher.defer_decode_step(step.features[: len(chunks)], positions, slots)
+        # A block reserved for the step may hold deferred rows: they are written first.
+        self.draft_launcher.launch(step.target_step(), 0, self.deferred_rows_may_be_overwritten())
 
     def _async_decode_step(self) -> list[RequestOutput]:
         """`step` with plain decode pipelined: processes the step the pipeline reads back, then

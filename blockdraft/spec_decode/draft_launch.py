@@ -16,9 +16,9 @@ context K/V is deferred: their features are kept and written in one batched pass
 resumes or DEFERRED_CONTEXT_MAX_BYTES of them wait. A step at N = 0 then costs what plain
 decoding costs: the drafter's projections of one row each step are weight-bound, while a
 batched write of many rows reads the same weights once. Under async decode such steps are
-launched one ahead like an engine without a drafter's (blockdraft/engine/async_decode.py),
-and keep their rows here with `defer_decode_step`, as a plain decode step launched here does:
-one row a request, its position and slot known on the host, no drafter inputs built.
+launched one ahead like an engine without a drafter's (blockdraft/engine/async_decode.py);
+theirs and any plain decode step's rows are kept from the host's positions and slots (one row
+a request), with no drafter inputs built.
 Deferred rows are written before any later context write and before any drafter forward (the
 only reader), and before rows of a block they lie in are deferred for its next owner (a
 finished request's freed block taken by another request), so the cache ends as if written at
@@ -161,17 +161,15 @@ class DraftLauncher:
         self.proposer.drafter.write_context(*self.deferred.tensors(self.device))
         self.deferred = DeferredContext()
 
-    def defer_decode_step(
-        self,
-        features: torch.Tensor,  # [rows, K * hidden] the step's target features
-        positions: list[int],  # [rows] the position each request's row computes
-        slots: list[int],  # [rows] its KV slot
-    ) -> None:
-        """Keeps a plain decode step's rows for the deferred write (an N = 0 step launched by
-        async decode, which builds no drafter inputs)."""
-        if not self._fits(features, len(positions)):
+    def _defer_decode_rows(self, step: TargetStep) -> None:
+        """Keeps a plain decode step's rows (one a request, its position and slot known on the
+        host) for the deferred write; builds no drafter inputs."""
+        rows = len(step.starts)
+        if not self._fits(step.features, rows):
             self.write_deferred()
-        self.deferred.add_decode_rows(features, positions, slots, self.proposer.block_size)
+        size = self.proposer.block_size
+        slots = flat_slots(step.block_tables, step.starts, step.query_lens, size)
+        self.deferred.add_decode_rows(step.features[:rows], step.starts, slots, size)
 
     def _blocks_written(self, step: TargetStep) -> set[int]:
         """The KV blocks `step`'s rows lie in (a verify's rejected rows' too)."""
@@ -194,14 +192,12 @@ class DraftLauncher:
         rows = step.row_ends[-1]
         defer = self.defer_context and not num_drafts
         if defer and rows == num_chunks and not step.verify:
-            # A plain decode step (one row a request): its committed rows are known on the host,
-            # as for a step async decode launched ahead; no drafter inputs are built (on one CPU
-            # thread they cost a tiny target's never-drafting step ~0.2 ms over plain decoding's).
+            # A plain decode step (one row a request), synchronous or launched ahead by async
+            # decode: no drafter inputs (on one CPU thread they cost a tiny target's
+            # never-drafting step ~0.2 ms over plain decoding's).
             if write_deferred_first:
                 self.write_deferred()
-            slots = flat_slots(step.block_tables, step.starts, step.query_lens,
-                               self.proposer.block_size)  # fmt: skip
-            self.defer_decode_step(step.features[:rows], step.starts, slots)
+            self._defer_decode_rows(step)
             return None
         if not defer or write_deferred_first or not self._fits(step.features, rows):
             self.write_deferred()

@@ -318,10 +318,7 @@ class DraftLengthChooser:
         kind = estimate.sampled
         self.prior_accepted[kind] = PRIOR_DECAY * self.prior_accepted[kind] + num_accepted
         self.prior_rejected[kind] = PRIOR_DECAY * self.prior_rejected[kind] + rejected
-        self._update_posterior(estimate)
-
-    def _update_posterior(self, estimate: AcceptanceEstimate) -> None:
-        prior = self.prior_alpha(estimate.sampled)
+        prior = self.prior_alpha(kind)
         a = estimate.accepted + PRIOR_WEIGHT * prior
         b = estimate.rejected + PRIOR_WEIGHT * (1.0 - prior)
         estimate.posterior, estimate.alpha_bin = (a, b), round(a / (a + b) * ALPHA_BINS)
