@@ -169,18 +169,6 @@ def count_calls(obj: object, name: str) -> list[int]:
     return calls
 
 
-def count_steps_launched_ahead(llm: LLM) -> list[int]:
-    """Counts the N = 0 steps the engine launches ahead (async decode); returns the count."""
-    count, launched = [0], llm.engine.decode_ahead_launched
-
-    def spy(step) -> None:
-        count[0] += 1
-        launched(step)
-
-    llm.engine.decode_ahead_launched = spy
-    return count
-
-
 # Two requests at a time in a pool that reuses the blocks of finished ones for the next.
 DEFERRED_SETUPS = {
     **SETUPS,
@@ -209,9 +197,9 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined
         if setup == "bounded":
             llm.engine.draft_launcher.max_deferred_rows = 3
         picks = choose_in_runs(llm, random.Random(seed))
-        ahead = count_steps_launched_ahead(llm)
+        ahead = count_calls(llm.engine, "decode_ahead_launched")  # N = 0 steps launched ahead
         out = llm.generate(prompts, params, use_tqdm=False)
-        assert (ahead[0] > 0) == (pipelined and defer)
+        assert (len(ahead) > 0) == (pipelined and defer)
         # Rows still deferred after the last step are written by the next launch, before any
         # read of their blocks.
         llm.engine.draft_launcher.write_deferred()
@@ -287,11 +275,11 @@ def test_steps_at_n0_launched_ahead_keep_greedy_output(pairs, rng, setup: str) -
     assert len(ar[0].outputs[0].token_ids) <= 8
     llm = auto_llm(drafter, target, **SETUPS[setup], async_decode=True)
     picks = choose_in_runs(llm, random.Random(int(torch.randint(0, 2**31, (1,), generator=rng))))
-    ahead = count_steps_launched_ahead(llm)
+    ahead = count_calls(llm.engine, "decode_ahead_launched")  # N = 0 steps launched ahead
     sd = llm.generate(prompts, params, use_tqdm=False)
     assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
     assert [s.outputs[0].finish_reason for s in sd] == [a.outputs[0].finish_reason for a in ar]
-    assert ahead[0] > 0 and llm.engine.spec_stats.num_drafts > 0 and picks.count(0) > ahead[0]
+    assert ahead and llm.engine.spec_stats.num_drafts > 0 and picks.count(0) > len(ahead)
     engine = llm.engine
     assert engine.decode_pipeline.inflight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -319,9 +307,9 @@ def test_steps_at_n0_launched_ahead_keep_the_sampled_tokens(pairs, rng) -> None:
             return picks[-1]
 
         llm.engine.draft_length.choose = choose
-        ahead = count_steps_launched_ahead(llm)
+        ahead = count_calls(llm.engine, "decode_ahead_launched")  # N = 0 steps launched ahead
         runs.append(seeded_samples(llm, prompt, num, top_k=6, max_tokens=12))
-        assert (ahead[0] > 0) == pipelined and 0 < picks.count(0) < len(picks)
+        assert (len(ahead) > 0) == pipelined and 0 < picks.count(0) < len(picks)
     assert runs[0] == runs[1]
     ar = seeded_samples(LLM(str(target), **kw), prompt, num, top_k=6, max_tokens=12)
     assert_same_token_law(ar, runs[1], (3, 7, 11))
