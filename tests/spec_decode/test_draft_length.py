@@ -17,6 +17,7 @@ from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
     COST_WINDOW,
+    MAX_PROBE_FLOOR,
     MAX_PROBE_INTERVAL,
     MIN_DRAFT_GAIN,
     PROBE_BUDGET,
@@ -103,17 +104,19 @@ def test_zero_when_drafts_never_land_and_probes_back_off(rng) -> None:
     batch = r.randint(1, 8)
     chooser = chooser_with_costs(r, range(1, 9), r.uniform(0.1, 0.4), r.uniform(0.01, 0.3))
     estimates = [AcceptanceEstimate() for _ in range(batch)]
-    chosen = run(chooser, estimates, [0.0] * batch, r, 600)
+    # Doubling up to MAX_PROBE_INTERVAL, or further where the probe budget's floor says so
+    # (a probe's loss is at most its cost over a decode step's): the run sees a few probes at
+    # the widest spacing (at a 0.5% budget the floor may pass 500 steps).
+    floor = math.ceil(
+        (chooser.costs.cost(batch, 1) / chooser.costs.cost(batch, 0) - 1) / PROBE_BUDGET
+    )
+    widest = max(MAX_PROBE_INTERVAL, min(floor, MAX_PROBE_FLOOR))
+    chosen = run(chooser, estimates, [0.0] * batch, r, 350 + 3 * widest)
     assert sum(chosen[20:]) > 0  # probes
     settled = chosen[50:]
     probes = [i for i, n in enumerate(settled) if n]
     assert all(settled[i] == 1 for i in probes), "a probe drafts the smallest N"
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
-    # Doubling up to MAX_PROBE_INTERVAL, or further where the probe budget's floor says so
-    # (a probe's loss is at most its cost over a decode step's).
-    floor = math.ceil(
-        (chooser.costs.cost(batch, 1) / chooser.costs.cost(batch, 0) - 1) / PROBE_BUDGET
-    )
     assert gaps == sorted(gaps), gaps
     assert MAX_PROBE_INTERVAL <= gaps[-1] <= max(MAX_PROBE_INTERVAL, floor + 1), (gaps, floor)
     assert len(probes) <= 10
@@ -130,12 +133,13 @@ def test_expensive_probes_stay_within_their_budget(rng) -> None:
     batch = r.randint(1, 4)
     chooser = chooser_with_costs(r, range(1, 5), r.uniform(0.8, 1.2), r.uniform(0.0, 0.05))
     estimates = [AcceptanceEstimate() for _ in range(batch)]
-    chosen = run(chooser, estimates, [0.0] * batch, r, 600)
-    # Past the fresh prior's drafts and the first probe after them (PROBE_INTERVAL later).
-    probes = [i for i, n in enumerate(chosen) if n and i > 4 * PROBE_INTERVAL]
     floor = math.ceil(
         (chooser.costs.cost(batch, 1) / chooser.costs.cost(batch, 0) - 1) / PROBE_BUDGET
     )
+    # Long enough for three gaps at the floor (at a 0.5% budget ~200-250 steps here).
+    chosen = run(chooser, estimates, [0.0] * batch, r, 100 + 3 * min(floor, MAX_PROBE_FLOOR))
+    # Past the fresh prior's drafts and the first probe after them (PROBE_INTERVAL later).
+    probes = [i for i, n in enumerate(chosen) if n and i > 4 * PROBE_INTERVAL]
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     # The floor counts a probe's expected loss at the estimates, which never reach 0 here (the
     # drafter-wide prior keeps a share of its start): a little under the cost it really pays
