@@ -167,3 +167,17 @@ def zlab2_first_step(
     head = zlab._output_head(target)
     tokens, _, _ = drafter.propose(hidden, block_ids[:, 0], head, 0.0)
     return drafter.compute_logits(hidden, head)[0], tokens[0].tolist()
+
+
+def prompt_where_selector_picks(
+    target_dir: Path, drafter_dir: Path, rng: torch.Generator, length: int, vocab: int
+) -> tuple[list[int], torch.Tensor, list[int]]:
+    """A random prompt whose first proposals are not the drafter's argmax, with
+    `zlab2_first_step`'s logits and proposals for it. A random selector agrees with the
+    argmax on about one prompt in fifty, and a test of the selector must see it choose."""
+    for _ in range(8):
+        prompt = torch.randint(4, vocab, (length,), generator=rng).tolist()
+        logits, proposals = zlab2_first_step(target_dir, drafter_dir, prompt)
+        if proposals != logits.argmax(-1).tolist():
+            return prompt, logits, proposals
+    raise AssertionError("the selector picked the argmax on 8 random prompts: is it wired in?")
