@@ -8,11 +8,11 @@ each acceptance scenario and probe budget: for weighing a change to the chooser 
 
     python benchmarks/chooser_sim.py [--seeds 20] [--requests 6] [--tokens 128]
         [--probe-budgets 0.02 0.01] [--fixed 7 15] [--slow-phases 0.3]
-        [--shape device-bound]
+        [--slow-factor 2.5] [--shape {host-bound,device-bound,cpu}]
 
-`--slow-phases F`: the host runs every step SLOW_FACTOR times slower in stretches of
-SLOW_STRETCH steps, a share F of them (a noisy neighbour; plain decoding's time is taken
-through the same stretches).
+`--slow-phases F`: the host runs every step `--slow-factor` times slower (SLOW_FACTOR) in
+stretches of SLOW_STRETCH steps, a share F of them (a noisy neighbour; plain decoding's time is
+taken through the same stretches). `--shape cpu`: a CPU's step costs and cost prior.
 
 `--fixed N...` adds engines that draft N every step (the issue's yardstick where the drafter
 is good: the default should match the best fixed N).
@@ -41,7 +41,7 @@ from blockdraft.spec_decode.draft_schedule import DraftSchedule  # noqa: E402
 # The GPU's default schedule at batch 1: N in 0..15, the chooser's allowed values.
 SCHEDULE = DraftSchedule((1,), (15,), (0, 1, 2, 3, 7, 15))
 Acceptance = Callable[[int], float]  # a request's acceptance probability at an output position
-SLOW_FACTOR = 1.5
+SLOW_FACTOR = 1.5  # `--slow-factor`
 SLOW_STRETCH = 40
 
 
@@ -55,6 +55,7 @@ class StepShape:
     per_draft: float
     verify_only: float
     refill: float
+    device: str = "cuda"  # whose cost prior the chooser starts from
 
 
 SHAPES = {
@@ -63,6 +64,9 @@ SHAPES = {
     # Qwen3.5-27B shapes on an H100 (`gpu_bench --shape qwen3.5-27b`, p = 0.8): decode 18.86 ms,
     # verify + draft 22.1-22.6 ms whatever N; the GPU hides the host's switches.
     "device-bound": StepShape(drafting=1.17, per_draft=0.0003, verify_only=1.0, refill=1.0),
+    # SmolLM2-135M on 2 CPU threads, open chat at T = 1: decode ~38 ms, drafting 1 / 2 / 3
+    # tokens 56-60 ms, the step after drafts verifies them (~1.1), nothing pipelined.
+    "cpu": StepShape(drafting=1.45, per_draft=0.03, verify_only=1.1, refill=1.0, device="cpu"),
 }
 
 
@@ -102,6 +106,7 @@ def serve(
     fixed: int = -1,
     slow_share: float = 0.0,
     shape: StepShape = SHAPES["host-bound"],
+    slow_factor: float = SLOW_FACTOR,
 ) -> tuple[float, float]:
     """(tokens per unit of time against plain decoding's, share of steps drafting) of one
     engine serving `requests` one at a time, `tokens` each: the default chooser at probe
@@ -110,7 +115,7 @@ def serve(
     # The phases' own stream, drawn only with slow phases: runs without them stay as they were.
     phases = random.Random(r.random()) if slow_share else None
     slow, plain = False, 0.0
-    chooser = DraftLengthChooser.for_device(SCHEDULE, "cuda")
+    chooser = DraftLengthChooser.for_device(SCHEDULE, shape.device)
     chooser.probe_budget = budget
     clock = StepClock(r, shape)
     elapsed, steps, drafting = 0.0, 0, 0
@@ -127,7 +132,7 @@ def serve(
                 got += accepted
             if phases is not None and steps % SLOW_STRETCH == 0:
                 slow = phases.random() < slow_share
-            scale = SLOW_FACTOR if slow else 1.0
+            scale = slow_factor if slow else 1.0
             t = clock.step(n) * scale
             chunks = [SimpleNamespace(num_drafts=pending, token_ids=[0] * (pending + 1))]
             chooser.record_if_uniform(chunks, n, t * 1e-3)
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--probe-budgets", type=float, nargs="+", default=[PROBE_BUDGET])
     p.add_argument("--fixed", type=int, nargs="*", default=[], help="fixed-N engines too")
     p.add_argument("--slow-phases", type=float, default=0.0, help="share of slow stretches")
+    p.add_argument("--slow-factor", type=float, default=SLOW_FACTOR,
+                   help="how much slower every step of a slow stretch is")  # fmt: skip
     p.add_argument("--shape", choices=sorted(SHAPES), default="host-bound",
                    help="step-time model (module docstring)")  # fmt: skip
     args = p.parse_args(argv)
@@ -181,6 +188,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("--seeds, --requests and --tokens must be >= 1")
     if not 0 <= args.slow_phases <= 1:
         raise SystemExit("--slow-phases must lie in [0, 1]")
+    if args.slow_factor < 1:
+        raise SystemExit("--slow-factor must be >= 1")
     if bad := [n for n in args.fixed if n not in SCHEDULE.all_num_drafts]:
         raise SystemExit(f"--fixed {bad}: N must be one of {SCHEDULE.all_num_drafts}")
     engines = [("default", b, -1) for b in args.probe_budgets]
@@ -193,7 +202,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 r = random.Random(seed)
                 runs.append(serve([scenario(r) for _ in range(args.requests)], args.tokens,
                                   budget or PROBE_BUDGET, r, fixed, args.slow_phases,
-                                  SHAPES[args.shape]))  # fmt: skip
+                                  SHAPES[args.shape], args.slow_factor))  # fmt: skip
             rows.append({
                 "scenario": name, "engine": engine, "probe_budget": budget,
                 "vs_plain": statistics.mean(v for v, _ in runs),

@@ -38,7 +38,14 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   decode (N = 0) is timed for a few steps when a bucket is first met and again while the batch
   drafts, every RECALIBRATE_INTERVAL steps or further apart where drafting wins by so much that
   a stale decode time could not change the choice (`_recalibration_due`), so the comparison
-  with speculation rests on this machine's current times, not on the prior.
+  with speculation rests on this machine's current times, not on the prior. A decode time no
+  cheaper than a drafting step timed since was taken in a slow stretch (a step that verifies
+  and drafts does all a decode step does): it is taken again, at widening intervals while the
+  stretch lasts (DECODE_RECHECK_SPACING), if decode at the fastest this engine timed it could
+  beat drafting (a good drafter's batch drafts on). Decode is timed rarely and drafting steps
+  every step, so without this one calibration in a burst of load kept open chat at T = 1
+  drafting for hundreds of steps (2 CPU threads beside a competing process: decode timed at
+  102 ms against a calm 37, drafting steps timed calm at 53, for 470 steps).
 - exploring: the chooser only times the N it drafts, so an N that the prior prices a little
   worse than the best is drafted for a few steps once per batch bucket, once the best is
   timed, to be timed too (on a GPU: `CUDA_EXPLORE_MARGIN`).
@@ -112,6 +119,11 @@ RECALIBRATE_INTERVAL = 256
 # --requests 6 --tokens 512`, alpha 0.8; a 512-token request with a recalibration in it lost
 # 3.5%). Where drafting barely pays, a stale decode time can flip the choice, and 256 holds.
 RECALIBRATE_BUDGET = 0.005
+# A decode time no cheaper than a drafting step timed since is taken again once it has stood
+# this many steps, then twice as many while each new one is no cheaper either (a slow stretch
+# that lasts is not chased every few steps), up to RECALIBRATE_INTERVAL; a drafting step timed
+# dearer than decode resets it.
+DECODE_RECHECK_SPACING = 16
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
 # Steps whose wall time a probe changes: the one that chose it (async decode launches nothing
@@ -184,6 +196,7 @@ class StepCostModel:
         self.measured: dict[tuple[int, int], float] = {}  # (bucket, N) -> seconds
         self.samples: dict[tuple[int, int], deque[float]] = {}  # their last COST_WINDOW times
         self.unit: dict[int, float] = {}  # bucket -> seconds per prior unit (a decode step)
+        self.fastest_decode: dict[int, float] = {}  # bucket -> the fastest decode step timed
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -197,6 +210,8 @@ class StepCostModel:
         if window is None:
             window = self.samples[key] = deque(maxlen=COST_WINDOW)
         window.append(seconds)
+        if not num_drafts and seconds < self.fastest_decode.get(bucket, math.inf):
+            self.fastest_decode[bucket] = seconds
         median = lower_median(window)
         self.measured[key] = median
         self.unit[bucket] = median / self.prior(batch, num_drafts)
@@ -271,6 +286,11 @@ class DraftLengthChooser:
     num_steps: int = 0  # `choose` calls
     calibrating: dict[int, int] = field(default_factory=dict)  # bucket -> decode steps left
     decode_timed_at: dict[int, int] = field(default_factory=dict)  # bucket -> step
+    # Buckets whose timed decode step is no cheaper than a timed drafting step there (a decode
+    # time taken in a slow stretch), and bucket -> the steps a decode time must have stood
+    # before it is taken again for that (DECODE_RECHECK_SPACING, doubling at each recheck).
+    decode_suspect: set[int] = field(default_factory=set)
+    decode_recheck_spacing: dict[int, int] = field(default_factory=dict)
     # The uniform steps in a row so far: (batch, N, how many).
     uniform_run: tuple[int, int, int] = (0, 0, 0)
     # The probe being timed: (batch, steps of its span left, seconds so far); None: none.
@@ -327,8 +347,16 @@ class DraftLengthChooser:
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
         self.costs.record(batch, num_drafts, seconds)
+        bucket = StepCostModel.bucket(batch)
+        measured = self.costs.measured
         if not num_drafts:
-            self.decode_timed_at[StepCostModel.bucket(batch)] = self.num_steps
+            self.decode_timed_at[bucket] = self.num_steps
+            self.decode_suspect.discard(bucket)
+        elif measured.get((bucket, 0), 0.0) >= measured[(bucket, num_drafts)]:
+            # A step that verifies and drafts does all a decode step does and more.
+            self.decode_suspect.add(bucket)
+        else:
+            self.decode_recheck_spacing.pop(bucket, None)
 
     def record_if_uniform(
         self, chunks: list, num_drafts: int, seconds: float, pipelined: bool = True
@@ -554,14 +582,30 @@ class DraftLengthChooser:
         """Whether a drafting batch, whose plain decoding would run at `plain_share` of its
         expected rate, times N = 0 again now (RECALIBRATE_BUDGET)."""
         bucket = StepCostModel.bucket(batch)
+        age = self.num_steps - self.decode_timed_at[bucket]
+        if bucket in self.decode_suspect:
+            spacing = self.decode_recheck_spacing.get(bucket, DECODE_RECHECK_SPACING)
+            if age >= spacing and self._decode_could_win(bucket, plain_share):
+                self.decode_recheck_spacing[bucket] = min(2 * spacing, RECALIBRATE_INTERVAL)
+                self._start_calibration(bucket)
+                return True
         interval = max(
             RECALIBRATE_INTERVAL,
             CALIBRATION_STEPS * max(1.0 - plain_share, 0.0) / RECALIBRATE_BUDGET,
         )
-        if self.num_steps - self.decode_timed_at[bucket] < interval:
+        if age < interval:
             return False
         self._start_calibration(bucket)
         return True
+
+    def _decode_could_win(self, bucket: int, plain_share: float) -> bool:
+        """Whether plain decoding at its fastest timed here, or at any speed when no time
+        taken here was below a drafting step's, would beat the drafting the batch chose (at
+        `plain_share` of its rate with the suspect decode time)."""
+        costs = self.costs
+        fastest = costs.fastest_decode[bucket]
+        drafting = min(c for (b, n), c in costs.measured.items() if b == bucket and n)
+        return fastest >= drafting or plain_share * costs.measured[(bucket, 0)] >= fastest
 
     def _start_calibration(self, bucket: int) -> None:
         # Counted as timed now: steps that turn out not uniform (prefills) wait for the next.

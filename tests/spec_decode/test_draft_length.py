@@ -17,6 +17,7 @@ from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
     COST_WINDOW,
+    DECODE_RECHECK_SPACING,
     MAX_PROBE_FLOOR,
     MAX_PROBE_INTERVAL,
     MIN_DRAFT_GAIN,
@@ -400,6 +401,71 @@ def test_recalibrates_plain_decode_as_often_as_the_budget_allows(alpha: float) -
     gaps = [b - a for a, b in zip([-CALIBRATION_STEPS, *starts], starts, strict=False)]
     assert len(gaps) >= 2 and all(gap == math.ceil(interval) for gap in gaps), (gaps, interval)
     assert (interval > RECALIBRATE_INTERVAL) == (alpha > 0.5), (alpha, interval)
+
+
+def test_times_decode_again_when_a_drafting_step_was_cheaper(rng) -> None:
+    """A decode time taken in a slow stretch (no cheaper than the drafting steps timed after
+    it) is taken again once it has stood DECODE_RECHECK_SPACING steps, then at doubling
+    spacings while each new one is no cheaper either; with the calm time back, drafts that
+    barely land stop, and the spacing starts over."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    alpha = r.uniform(0.25, 0.35)
+    chooser.prior_accepted = [alpha * 1e6] * 2
+    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    one = [AcceptanceEstimate(sampled=True)]
+    decode = r.uniform(0.02, 0.05)
+    assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
+    allowed = chooser.allowed_by_cap[chooser.schedule.num_drafts(1)]
+    for n in allowed[1:]:  # every N's drafting steps timed calm
+        for _ in range(COST_WINDOW):
+            chooser.record_step(1, n, (1.5 + 0.05 * n) * decode)
+    spacing = DECODE_RECHECK_SPACING
+    for _ in range(3):
+        for _ in range(COST_WINDOW):  # timed in a stretch 2.5x slower
+            chooser.record_step(1, 0, 2.5 * decode)
+        timed_at = chooser.num_steps
+        while (n := chooser.choose(one, 1)) > 0:  # decode looks dear: drafting pays on paper
+            chooser.record_step(1, n, (1.5 + 0.05 * n) * decode)  # calm drafting steps
+        assert chooser.num_steps - timed_at == spacing
+        rest = [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS - 1)]
+        assert rest == [0] * (CALIBRATION_STEPS - 1)
+        spacing = min(2 * spacing, RECALIBRATE_INTERVAL)
+    for _ in range(COST_WINDOW // 2 + 1):  # calm at last
+        chooser.record_step(1, 0, decode)
+    assert chooser.costs.cost(1, 0) == decode
+    assert all(chooser.choose(one, 1) == 0 for _ in range(PROBE_INTERVAL - 1))
+    assert chooser.decode_recheck_spacing
+    chooser.record_step(1, 1, 1.5 * decode)  # a drafting step dearer than decode again
+    assert not chooser.decode_suspect and not chooser.decode_recheck_spacing
+
+
+@pytest.mark.parametrize("alpha", [0.3, 0.9])
+def test_rechecks_a_slow_decode_time_only_where_decode_could_win(rng, alpha: float) -> None:
+    """Once decode was timed calm, a later slow time is taken again only if decode at that
+    calm time would beat the drafting chosen: a good drafter's batch drafts on."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    chooser.prior_accepted = [alpha * 1e6] * 2
+    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    one = [AcceptanceEstimate(sampled=True)]
+    decode = r.uniform(0.02, 0.05)
+    assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
+    for _ in range(COST_WINDOW):
+        chooser.record_step(1, 0, decode)
+    for n in chooser.allowed_by_cap[chooser.schedule.num_drafts(1)][1:]:
+        for _ in range(COST_WINDOW):
+            chooser.record_step(1, n, (1.5 + 0.05 * n) * decode)
+    for _ in range(COST_WINDOW):  # a slow stretch
+        chooser.record_step(1, 0, 2.5 * decode)
+    chosen = []
+    while len(chosen) < 2 * DECODE_RECHECK_SPACING and (n := chooser.choose(one, 1)) > 0:
+        chooser.record_step(1, n, (1.5 + 0.05 * n) * decode)
+        chosen.append(n)
+    if alpha < 0.5:
+        assert len(chosen) == DECODE_RECHECK_SPACING - 1  # then decode is timed again
+    else:
+        assert len(chosen) == 2 * DECODE_RECHECK_SPACING
 
 
 def test_cost_model_prior_scaling_and_clipping(rng) -> None:
