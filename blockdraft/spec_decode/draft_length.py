@@ -12,15 +12,13 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   geometric runs, alpha^accepted (1 - alpha)^rejections (accepted / drafted would underestimate
   alpha: a run stopped by a rejection says nothing about the drafts after it), so with a Beta
   prior centred on the drafter's running engine-wide estimate (PRIOR_WEIGHT observations) its
-  posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify (not
-  at idle steps: decaying them there too, towards the prior, let drafting resume after a poor
-  stretch, +4% on maths-like stretches in `chooser_sim`, but erased what widely spaced probes
-  found, and a request whose text became predictable after a long unpredictable stretch never
-  drafted again). A request's expected tokens at N are E(alpha, N) averaged over that
-  posterior, not E at its mean: E is convex in alpha, and a request whose few last verifies
-  were short is not yet known to be a poor one (a request with alpha 0.7 drafted on ~70% of
-  its steps when judged by its mean,
-  ~95% by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
+  posterior is Beta(accepted + prior, rejections + prior), counts decayed at each verify and,
+  those from before the batch stopped drafting, at its idle steps (IDLE_DECAY: a poor stretch
+  of text is not the whole request; what the idle stretch's probes find is kept). A request's
+  expected tokens at N are E(alpha, N) averaged over that posterior, not E at its mean: E is
+  convex in alpha, and a request whose few last verifies were short is not yet known to be a
+  poor one (a request with alpha 0.7 drafted on ~70% of its steps when judged by its mean, ~95%
+  by the posterior; `benchmarks/chooser_sim.py`). A request not verified yet has the
   engine-wide estimate's E. Greedy and sampled requests keep separate engine-wide estimates:
   the same drafter lands ~2.7 tokens a verify on maths at T = 0 and ~1.5 on chat at T = 1, and
   one shared estimate, pulled down by sampled requests, kept a greedy request from drafting
@@ -56,7 +54,7 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   request becoming predictable needs a few probes to lift its estimate) or once drafting pays
   again; either way it is never shorter than what keeps the probes' expected loss (their cost
   in decode steps less the tokens they commit) within PROBE_BUDGET of plain decoding's time.
-  After a probe, N at most doubles a step (from the probe's) until the chosen N needs no cap:
+  After a probe, N at most doubles a step (from the probe's) until it reaches the largest allowed:
   one verify is the whole evidence of a request's estimate then (one accepted draft lifts a
   prior alpha of 0.3 to 0.53), and the largest N costs the most when that evidence was luck (on
   2 CPU threads 3 drafts cost 1.9 decode steps; open chat, alpha ~0.28, took three such steps
@@ -86,6 +84,22 @@ from blockdraft.spec_decode.draft_schedule import DraftSchedule
 ALPHA_BINS = 64
 # Per-request decay of the accepted / rejected counts at each verify (~5 verifies of memory).
 REQUEST_DECAY = 0.8
+# While its batch drafts nothing (probes aside), a request's counts from before that idle
+# stretch also decay by IDLE_DECAY a step, applied every IDLE_AGE_STEPS steps: its acceptance
+# moves along its text (maths: formulas, then prose), and a belief frozen at a poor stretch's
+# low kept it from drafting into the next good stretch until a probe reached it, so it drifts
+# back to the drafter's engine-wide prior. What the stretch's probes found does not decay (bar
+# the usual decay at each verify): decaying it too erased what widely spaced probes found, and a
+# request whose text turned predictable after a long unpredictable stretch, the prior learnt
+# low meanwhile, never drafted again. `chooser_sim --seeds 60`, before -> after: maths-like
+# stretches 1.078 -> 1.102x plain decoding, T = 1-like 0.975 -> 0.972x, a good drafter and
+# drafts that never land unchanged; `--shape device-bound`: T = 1-like 1.134 -> 1.148x. On the
+# shipped drafter's real acceptance (`chooser_replay`, 2 passes) within the passes' spread: T = 0
+# 1.099 / 1.090x (1.079 / 1.101x before), T = 1 0.969 / 0.995x (0.973 / 0.993x). Each decay
+# recomputes the requests' expected tokens: an idle step's choice at batch 16 7.6 -> 15.8 us
+# (every 8 steps: 12.1 us, maths-like 1.094x).
+IDLE_DECAY = 0.95
+IDLE_AGE_STEPS = 4
 # The engine-wide estimate's decay per verify, and its starting point: a fresh drafter is
 # trusted enough to be tried (its first verifies then set the prior).
 PRIOR_DECAY = 0.99
@@ -234,7 +248,10 @@ class AcceptanceEstimate:
     (`posterior_expected_tokens`; empty until a choice needs them after a verify: an engine
     whose N is pinned never computes them)."""
 
-    __slots__ = ("sampled", "accepted", "rejected", "posterior", "alpha_bin", "expected")
+    __slots__ = (
+        "sampled", "accepted", "rejected", "posterior", "alpha_bin", "expected",
+        "idle_accepted", "idle_rejected", "idle_stretch",
+    )  # fmt: skip
 
     def __init__(self, sampled: bool = False) -> None:
         self.sampled = sampled  # the request samples (T > 0): its prior is sampled requests'
@@ -243,6 +260,11 @@ class AcceptanceEstimate:
         self.posterior = (0.0, 0.0)
         self.alpha_bin = -1
         self.expected: list[float] = []
+        # The part of the counts gathered by probes during idle stretch `idle_stretch` of its
+        # batch (kept while the counts from before the stretch decay: IDLE_DECAY).
+        self.idle_accepted = 0.0
+        self.idle_rejected = 0.0
+        self.idle_stretch = -1
 
 
 def expected_tokens(alpha: float, num_drafts: int) -> float:
@@ -281,6 +303,13 @@ class DraftLengthChooser:
         default_factory=lambda: [(1 - INITIAL_ALPHA) * INITIAL_PRIOR_WEIGHT] * 2
     )
     steps_since_drafting: int = 0
+    # The batch's idle stretches (N = 0 chosen for want of gain; probes do not end one): how
+    # many began, and the steps the current one has lasted (-1: drafting).
+    idle_stretches: int = 0
+    idle_steps: int = -1
+    # Whether the current idle stretch probed yet: the verifies read back before its first
+    # probe are of the drafting before it (the readback lags the choice), not its probes'.
+    probed_in_stretch: bool = False
     # The batch's lowest mean alpha bin since the last probe (-1: no probe yet).
     alpha_bin_since_probe: float = -1.0
     num_steps: int = 0  # `choose` calls
@@ -335,14 +364,35 @@ class DraftLengthChooser:
         rejected = 1.0 if num_accepted < num_drafts else 0.0
         estimate.accepted = REQUEST_DECAY * estimate.accepted + num_accepted
         estimate.rejected = REQUEST_DECAY * estimate.rejected + rejected
+        if self.idle_steps >= 0 and self.probed_in_stretch:  # kept from the idle decay
+            if estimate.idle_stretch != self.idle_stretches:
+                estimate.idle_stretch = self.idle_stretches
+                estimate.idle_accepted = estimate.idle_rejected = 0.0
+            estimate.idle_accepted = REQUEST_DECAY * estimate.idle_accepted + num_accepted
+            estimate.idle_rejected = REQUEST_DECAY * estimate.idle_rejected + rejected
         kind = estimate.sampled
         self.prior_accepted[kind] = PRIOR_DECAY * self.prior_accepted[kind] + num_accepted
         self.prior_rejected[kind] = PRIOR_DECAY * self.prior_rejected[kind] + rejected
-        prior = self.prior_alpha(kind)
+        a, b = self._set_posterior(estimate)
+        estimate.alpha_bin = round(a / (a + b) * ALPHA_BINS)
+
+    def _set_posterior(self, estimate: AcceptanceEstimate) -> tuple[float, float]:
+        """Beta(a, b) from the request's counts and its kind's engine-wide prior."""
+        prior = self.prior_alpha(estimate.sampled)
         a = estimate.accepted + PRIOR_WEIGHT * prior
         b = estimate.rejected + PRIOR_WEIGHT * (1.0 - prior)
-        estimate.posterior, estimate.alpha_bin = (a, b), round(a / (a + b) * ALPHA_BINS)
-        estimate.expected = []
+        estimate.posterior, estimate.expected = (a, b), []
+        return a, b
+
+    def _age(self, estimate: AcceptanceEstimate, age: float) -> None:
+        """IDLE_DECAY on the counts from before the batch's idle stretch; the mean's bin stays
+        its last verify's (the probes' back-off reads what verifies found, not the drift)."""
+        kept_accepted = kept_rejected = 0.0
+        if estimate.idle_stretch == self.idle_stretches:
+            kept_accepted, kept_rejected = estimate.idle_accepted, estimate.idle_rejected
+        estimate.accepted = (estimate.accepted - kept_accepted) * age + kept_accepted
+        estimate.rejected = (estimate.rejected - kept_rejected) * age + kept_rejected
+        self._set_posterior(estimate)
 
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
@@ -451,12 +501,15 @@ class DraftLengthChooser:
             return 0
         if (explored := self._continue_exploring(batch, allowed)) is not None:
             return explored
-        tokens, mean_bin = self._batch_view(estimates)
+        idle = self.idle_steps
+        aged = idle >= 0 and (idle + 1) % IDLE_AGE_STEPS == 0
+        tokens, mean_bin = self._batch_view(estimates, IDLE_DECAY**IDLE_AGE_STEPS if aged else 1.0)
         rates = self._rates(tokens, batch, allowed)
         best = max(allowed, key=lambda n: (rates[n], -n))
         if rates[best] <= 0.0:
             best = 0
         if best:
+            self.idle_steps = -1
             if self._recalibration_due(batch, rates[0] / rates[best]):
                 return 0
             self.steps_since_drafting, self.probe_interval = 0, PROBE_INTERVAL
@@ -469,8 +522,13 @@ class DraftLengthChooser:
                 if step < best:
                     self.ramp = step
                     return step
-            self.ramp = 0
+            # The ramp lasts till N reaches the largest allowed: a step within the cap (N = 2
+            # after a probe of 1) is no licence to jump to 5 at the next.
+            self.ramp = max(self.ramp, best) if self.ramp and best < allowed[-1] else 0
             return self._explore(batch, best, rates)
+        if idle < 0:
+            self.idle_stretches, self.probed_in_stretch = self.idle_stretches + 1, False
+        self.idle_steps = idle + 1
         self.steps_since_drafting += 1
         if self.steps_since_drafting < self.probe_interval:
             self.alpha_bin_since_probe = min(self.alpha_bin_since_probe, mean_bin)
@@ -482,18 +540,24 @@ class DraftLengthChooser:
         self.probe_interval = max(min(interval, MAX_PROBE_INTERVAL), min(floor, MAX_PROBE_FLOOR))
         self.steps_since_drafting, self.alpha_bin_since_probe = 0, mean_bin
         self.probe_timing = (batch, PROBE_SPAN, 0.0)
+        self.probed_in_stretch = True
         self.ramp = probe
         return probe
 
-    def _batch_view(self, estimates: Iterable[AcceptanceEstimate]) -> tuple[list[float], float]:
+    def _batch_view(
+        self, estimates: Iterable[AcceptanceEstimate], age: float = 1.0
+    ) -> tuple[list[float], float]:
         """(tokens the batch's next verify commits on average at each N up to the schedule's
         largest, the batch's mean alpha bin); a request never verified counts at the
-        engine-wide estimate of its kind (greedy or sampled)."""
+        engine-wide estimate of its kind (greedy or sampled). `age` < 1: each request's counts
+        from before the batch's idle stretch are decayed by it first (IDLE_DECAY)."""
         fresh, bins, rows = [0, 0], 0, []
         for e in estimates:
             if e.alpha_bin < 0:
                 fresh[e.sampled] += 1
             else:
+                if age < 1.0:
+                    self._age(e, age)
                 bins += e.alpha_bin
                 if not e.expected:  # verified since the last choice
                     e.expected = posterior_expected_tokens(*e.posterior, len(self.expected[0]) - 1)

@@ -13,11 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from blockdraft.spec_decode import draft_length
 from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
     COST_WINDOW,
     DECODE_RECHECK_SPACING,
+    IDLE_AGE_STEPS,
+    IDLE_DECAY,
     MAX_PROBE_FLOOR,
     MAX_PROBE_INTERVAL,
     MIN_DRAFT_GAIN,
@@ -686,3 +689,82 @@ def test_a_measured_probe_prices_drafting_steps_not_yet_timed(rng) -> None:
     assert chooser.step_cost(1, 1) == pytest.approx(1.1 * decode)
     timed = chooser.expected_rates([middling], 1)
     assert timed[1] > timed[0], timed
+
+
+def posterior_mean(e: AcceptanceEstimate) -> float:
+    a, b = e.posterior
+    return a / (a + b)
+
+
+@pytest.mark.parametrize("idle_decay", [IDLE_DECAY, 1.0])
+def test_a_request_stopped_by_a_poor_stretch_drafts_again_without_a_probe(
+    rng, monkeypatch, idle_decay: float
+) -> None:
+    """A request whose last verifies found nothing (a poor stretch of its text) stops drafting;
+    while it decodes, those counts decay (IDLE_DECAY a step) back towards the drafter's
+    engine-wide estimate, good here, so it drafts again by itself before a probe would come;
+    with no decay its belief stays where the poor stretch left it."""
+    monkeypatch.setattr(draft_length, "IDLE_DECAY", idle_decay)
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.6, 0.8), 0.02)
+    alpha = r.uniform(0.7, 0.8)
+    chooser.prior_accepted = [alpha * 50] * 2  # other requests' verifies: drafts land
+    chooser.prior_rejected = [(1 - alpha) * 50] * 2
+    one = [AcceptanceEstimate()]
+    for _ in range(r.randint(6, 8)):  # the poor stretch: nothing lands, N = 7 each verify
+        chooser.observe(one[0], 0, NUM_SPEC)
+    assert chooser.choose(one, 1) == 0
+    after_stretch = posterior_mean(one[0])
+    chooser.probe_interval = 10**6  # no probe within the test
+    chosen = [chooser.choose(one, 1) for _ in range(60)]
+    if idle_decay < 1:
+        first = next(i for i, n in enumerate(chosen) if n)
+        assert first < 40 and chosen[first] > 1, chosen
+        assert posterior_mean(one[0]) > after_stretch  # on its way back to the prior's
+    else:
+        assert not any(chosen) and posterior_mean(one[0]) == after_stretch, chosen
+
+
+def test_what_an_idle_stretchs_probes_find_does_not_decay(rng) -> None:
+    """Only the counts from before the batch's idle stretch decay at its steps: a probe's
+    find during the stretch stays (bar the usual decay at later verifies), and the verify of
+    the drafts before the stretch, read back after it began, decays with the rest."""
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.8, 1.2), 0.02)
+    chooser.prior_accepted = [1.0] * 2  # drafts rarely land: the batch will not draft
+    chooser.prior_rejected = [99.0] * 2
+    one = [AcceptanceEstimate()]
+    chooser.observe(one[0], 0, 3)
+    assert chooser.choose(one, 1) == 0  # the idle stretch begins
+    chooser.observe(one[0], 0, 3)  # the last drafting step's verify, read back late
+    before = one[0].rejected
+    for _ in range(IDLE_AGE_STEPS):
+        assert chooser.choose(one, 1) == 0
+    assert one[0].rejected == pytest.approx(before * IDLE_DECAY**IDLE_AGE_STEPS)
+    while (probe := chooser.choose(one, 1)) == 0:  # to the stretch's first probe
+        pass
+    landed = r.randint(1, probe)
+    chooser.observe(one[0], landed, probe)
+    stale = one[0].rejected - (landed < probe)
+    for _ in range(8 * IDLE_AGE_STEPS):
+        if chooser.choose(one, 1):  # another probe: leave its verify unread
+            chooser.probe_timing = None
+    assert one[0].accepted == pytest.approx(landed)
+    assert one[0].rejected == pytest.approx(
+        (landed < probe) + stale * IDLE_DECAY ** (8 * IDLE_AGE_STEPS)
+    )
+
+
+def test_a_ramp_after_a_probe_doubles_at_most_till_the_largest_n() -> None:
+    """After a probe, N at most doubles a step (or takes the next allowed N up) till it
+    reaches the largest allowed, even where one step's N needed no cap: 3 drafts, 3 again,
+    then 7 (not 15 at once), then 15."""
+    chooser = trusted_chooser(0.95, explore=False)  # 0, 3, 7 or 15 drafts at batch 1
+    chooser.record_step(1, 0, 0.01)  # decode timed: no calibration steps
+    chooser.ramp = 3  # a probe of 3 drafts
+    middling, sure = estimate_at(chooser, 0.33), estimate_at(chooser, 1.0)
+    rates = chooser.expected_rates([middling], 1)
+    assert max(rates, key=rates.get) == 3, rates
+    assert chooser.choose([middling], 1) == 3
+    assert [chooser.choose([sure], 1) for _ in range(3)] == [7, 15, 15]
+    assert chooser.ramp == 0
