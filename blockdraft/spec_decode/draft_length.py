@@ -97,9 +97,12 @@ REQUEST_DECAY = 0.8
 # shipped drafter's real acceptance (`chooser_replay`, 2 passes) within the passes' spread: T = 0
 # 1.099 / 1.090x (1.079 / 1.101x before), T = 1 0.969 / 0.995x (0.973 / 0.993x). Each decay
 # recomputes the requests' expected tokens: an idle step's choice at batch 16 7.6 -> 15.8 us
-# (every 8 steps: 12.1 us, maths-like 1.094x).
+# while the stale counts last (every 8 steps: 12.1 us, maths-like 1.094x), ~100 idle steps.
 IDLE_DECAY = 0.95
 IDLE_AGE_STEPS = 4
+# Counts from before the stretch below this (in observations, against the prior's PRIOR_WEIGHT)
+# are left as they are: a long stretch's steps then cost the choice nothing more.
+STALE_NEGLIGIBLE = 0.01
 # The engine-wide estimate's decay per verify, and its starting point: a fresh drafter is
 # trusted enough to be tried (its first verifies then set the prior).
 PRIOR_DECAY = 0.99
@@ -390,8 +393,12 @@ class DraftLengthChooser:
         kept_accepted = kept_rejected = 0.0
         if estimate.idle_stretch == self.idle_stretches:
             kept_accepted, kept_rejected = estimate.idle_accepted, estimate.idle_rejected
-        estimate.accepted = (estimate.accepted - kept_accepted) * age + kept_accepted
-        estimate.rejected = (estimate.rejected - kept_rejected) * age + kept_rejected
+        stale_accepted = estimate.accepted - kept_accepted
+        stale_rejected = estimate.rejected - kept_rejected
+        if stale_accepted + stale_rejected < STALE_NEGLIGIBLE:
+            return  # decayed away already: the posterior (and its expected tokens) stand
+        estimate.accepted = stale_accepted * age + kept_accepted
+        estimate.rejected = stale_rejected * age + kept_rejected
         self._set_posterior(estimate)
 
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:

@@ -768,3 +768,22 @@ def test_a_ramp_after_a_probe_doubles_at_most_till_the_largest_n() -> None:
     assert chooser.choose([middling], 1) == 3
     assert [chooser.choose([sure], 1) for _ in range(3)] == [7, 15, 15]
     assert chooser.ramp == 0
+
+
+def test_a_long_idle_stretch_leaves_decayed_estimates_alone(rng) -> None:
+    """Once the counts from before an idle stretch have decayed away, its later steps leave
+    each request's posterior and expected tokens as they are (no work a step for nothing)."""
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.8, 1.2), 0.02)
+    chooser.prior_accepted = [1.0] * 2  # drafts rarely land: the batch will not draft
+    chooser.prior_rejected = [99.0] * 2
+    chooser.probe_interval = 10**6  # no probe within the test
+    one = [AcceptanceEstimate()]
+    chooser.observe(one[0], 0, 3)
+    early = [chooser.choose(one, 1) for _ in range(IDLE_AGE_STEPS + 1)]
+    assert early == [0] * (IDLE_AGE_STEPS + 1) and one[0].rejected < 1.0  # decaying
+    for _ in range(100 * IDLE_AGE_STEPS):
+        chooser.choose(one, 1)
+    posterior, expected = one[0].posterior, one[0].expected
+    assert [chooser.choose(one, 1) for _ in range(4 * IDLE_AGE_STEPS)] == [0] * 4 * IDLE_AGE_STEPS
+    assert one[0].posterior == posterior and one[0].expected is expected
