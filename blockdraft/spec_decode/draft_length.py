@@ -653,10 +653,10 @@ class DraftLengthChooser:
         """Whether a drafting batch, whose plain decoding would run at `plain_share` of its
         expected rate, times N = 0 again now (RECALIBRATE_BUDGET)."""
         bucket = StepCostModel.bucket(batch)
-        age = self.num_steps - self.decode_timed_at[bucket]
+        since_timed = self.num_steps - self.decode_timed_at[bucket]  # steps
         if bucket in self.decode_suspect:
             spacing = self.decode_recheck_spacing.get(bucket, DECODE_RECHECK_SPACING)
-            if age >= spacing and self._decode_could_win(bucket, plain_share):
+            if since_timed >= spacing and self._decode_could_win(bucket, plain_share):
                 self.decode_recheck_spacing[bucket] = min(2 * spacing, RECALIBRATE_INTERVAL)
                 self._start_calibration(bucket)
                 return True
@@ -664,7 +664,7 @@ class DraftLengthChooser:
             RECALIBRATE_INTERVAL,
             CALIBRATION_STEPS * max(1.0 - plain_share, 0.0) / RECALIBRATE_BUDGET,
         )
-        if age < interval:
+        if since_timed < interval:
             return False
         self._start_calibration(bucket)
         return True
