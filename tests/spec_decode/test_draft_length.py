@@ -50,6 +50,13 @@ def adaptive_schedule(num_spec: int = NUM_SPEC) -> DraftSchedule:
     return DraftSchedule((1,), (num_spec,), tuple(range(num_spec + 1)))
 
 
+def set_drafter_prior(chooser: DraftLengthChooser, alpha: float, weight: float = 1e6) -> None:
+    """The drafter's engine-wide history (greedy and sampled alike): `weight` observations at
+    `alpha`."""
+    chooser.prior_accepted = [alpha * weight] * 2
+    chooser.prior_rejected = [(1 - alpha) * weight] * 2
+
+
 def chooser_with_costs(
     r: random.Random, batches: range, overhead: float, per_row: float
 ) -> DraftLengthChooser:
@@ -388,8 +395,7 @@ def test_recalibrates_plain_decode_as_often_as_the_budget_allows(alpha: float) -
     as many as keep the calibration's lost rate within RECALIBRATE_BUDGET when drafting wins
     by much (a good drafter's batch recalibrates less often than a marginal one's)."""
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
-    chooser.prior_accepted = [alpha * 1e6] * 2
-    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    set_drafter_prior(chooser, alpha)
     one = [AcceptanceEstimate()]
     assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
     rates = chooser.expected_rates(one, 1)
@@ -414,8 +420,7 @@ def test_times_decode_again_when_a_drafting_step_was_cheaper(rng) -> None:
     r = py_random(rng)
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
     alpha = r.uniform(0.25, 0.35)
-    chooser.prior_accepted = [alpha * 1e6] * 2
-    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    set_drafter_prior(chooser, alpha)
     one = [AcceptanceEstimate(sampled=True)]
     decode = r.uniform(0.02, 0.05)
     assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
@@ -449,8 +454,7 @@ def test_rechecks_a_slow_decode_time_only_where_decode_could_win(rng, alpha: flo
     calm time would beat the drafting chosen: a good drafter's batch drafts on."""
     r = py_random(rng)
     chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
-    chooser.prior_accepted = [alpha * 1e6] * 2
-    chooser.prior_rejected = [(1 - alpha) * 1e6] * 2
+    set_drafter_prior(chooser, alpha)
     one = [AcceptanceEstimate(sampled=True)]
     decode = r.uniform(0.02, 0.05)
     assert [chooser.choose(one, 1) for _ in range(CALIBRATION_STEPS)] == [0] * CALIBRATION_STEPS
@@ -595,7 +599,7 @@ def trusted_chooser(alpha: float, explore: bool = True) -> DraftLengthChooser:
     """'auto' on CUDA (0, 3 or 7 drafts at 32 requests) with a drafter history at `alpha`;
     `explore` False: its prior's explore_margin 0."""
     chooser = DraftLengthChooser.for_device(DraftSchedule.resolve("auto", 15, "cuda"), "cuda")
-    chooser.prior_accepted, chooser.prior_rejected = [100 * alpha] * 2, [100 * (1 - alpha)] * 2
+    set_drafter_prior(chooser, alpha, 100)
     if not explore:
         chooser.costs.prior = dataclasses.replace(chooser.costs.prior, explore_margin=0.0)
     return chooser
@@ -708,8 +712,7 @@ def test_a_request_stopped_by_a_poor_stretch_drafts_again_without_a_probe(
     r = py_random(rng)
     chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.6, 0.8), 0.02)
     alpha = r.uniform(0.7, 0.8)
-    chooser.prior_accepted = [alpha * 50] * 2  # other requests' verifies: drafts land
-    chooser.prior_rejected = [(1 - alpha) * 50] * 2
+    set_drafter_prior(chooser, alpha, 50)  # other requests' verifies: drafts land
     one = [AcceptanceEstimate()]
     for _ in range(r.randint(6, 8)):  # the poor stretch: nothing lands, N = 7 each verify
         chooser.observe(one[0], 0, NUM_SPEC)
@@ -731,8 +734,7 @@ def test_what_an_idle_stretchs_probes_find_does_not_decay(rng) -> None:
     the drafts before the stretch, read back after it began, decays with the rest."""
     r = py_random(rng)
     chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.8, 1.2), 0.02)
-    chooser.prior_accepted = [1.0] * 2  # drafts rarely land: the batch will not draft
-    chooser.prior_rejected = [99.0] * 2
+    set_drafter_prior(chooser, 0.01, 100)  # drafts rarely land: the batch will not draft
     one = [AcceptanceEstimate()]
     chooser.observe(one[0], 0, 3)
     assert chooser.choose(one, 1) == 0  # the idle stretch begins
@@ -775,8 +777,7 @@ def test_a_long_idle_stretch_leaves_decayed_estimates_alone(rng) -> None:
     each request's posterior and expected tokens as they are (no work a step for nothing)."""
     r = py_random(rng)
     chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.8, 1.2), 0.02)
-    chooser.prior_accepted = [1.0] * 2  # drafts rarely land: the batch will not draft
-    chooser.prior_rejected = [99.0] * 2
+    set_drafter_prior(chooser, 0.01, 100)  # drafts rarely land: the batch will not draft
     chooser.probe_interval = 10**6  # no probe within the test
     one = [AcceptanceEstimate()]
     chooser.observe(one[0], 0, 3)
