@@ -158,7 +158,9 @@ def choose_in_runs(llm: LLM, r: random.Random) -> list[int]:
 
 
 def count_calls(obj: object, name: str) -> list[int]:
-    """Wraps obj.name to count its calls; returns the list it appends a 1 to at each."""
+    """Wraps obj.name to count its calls; returns the list it appends a 1 to at each. Not
+    `spies.count_calls`: monkeypatch's undo would delete the wrapper from an engine that
+    `LLM.shutdown` already emptied (a replaced LLM is shut down when collected)."""
     calls, method = [], getattr(obj, name)
 
     def spy(*args, **kwargs):
