@@ -63,6 +63,9 @@ EXTRA_SHAPES = {
     "q35_27b_down": (5120, 17408, 64),
     "q35_27b_lm_head": (248320, 5120, 1),
 }
+# The projections decode runs with a prologue at <= 2 rows (`--prologue`).
+SILU_MUL_INPUT = ("down", "q35_27b_down")
+NORM_INPUT = ("qkv", "gate_up")  # Qwen3.5's offset norms run unfused
 ROTATE_BYTES = 256 * 1024**2  # weight copies cycled per timing: well past the 50 MB L2
 MAX_REL_ERR = 1e-2  # bf16 output rounding is ~4e-3 of the largest value
 
@@ -128,10 +131,10 @@ def candidates(m: int, n: int, k: int, sms: int) -> list:
 def gemm_input(name: str, m: int, k: int, prologue: bool) -> tuple[torch.Tensor, dict]:
     """x for a GEMM of depth k, and the fused-input keywords of `skinny_linear` that decode
     uses for this projection (none without `prologue`)."""
-    if prologue and name == "down":
+    if prologue and name in SILU_MUL_INPUT:
         return torch.randn(m, 2 * k, device=DEVICE).bfloat16(), {"silu_mul_input": True}
     x = torch.randn(m, k, device=DEVICE).bfloat16()
-    if not (prologue and name in ("qkv", "gate_up")):
+    if not (prologue and name in NORM_INPUT):
         return x, {}
     norm_weight = (1 + 0.1 * torch.randn(k, device=DEVICE)).bfloat16()
     return x, {
