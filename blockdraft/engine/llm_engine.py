@@ -337,7 +337,13 @@ class LLMEngine:
         self.next_num_drafts = None
         self.apply_window_updates(self._take_window_updates())
         # A block reserved for the step may hold deferred rows: they are written first.
-        self.draft_launcher.launch(step.target_step(), 0, self.deferred_rows_may_be_overwritten())
+        chunks = step.chunks
+        self.draft_launcher.defer_decode_rows(
+            step.features,
+            [c.start for c in chunks],
+            [c.seq.block_table for c in chunks],
+            self.deferred_rows_may_be_overwritten(),
+        )
 
     def _async_decode_step(self) -> list[RequestOutput]:
         """`step` with plain decode pipelined: processes the step the pipeline reads back, then

@@ -36,7 +36,7 @@ import torch
 
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.host_tensors import int64_tensors
-from blockdraft.runtime.host_batch import flat_slots, padded_block_tables
+from blockdraft.runtime.host_batch import padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer
@@ -103,8 +103,8 @@ class DeferredContext:
         self.decode_features.append(features.clone())
         self.decode_positions += positions
         self.decode_slots += slots
-        self.num_rows += features.shape[0]
-        self.blocks.update(slot // block_size for slot in slots)
+        self.num_rows += len(slots)
+        self.blocks.update([slot // block_size for slot in slots])
 
     def tensors(
         self, device: torch.device
@@ -161,15 +161,24 @@ class DraftLauncher:
         self.proposer.drafter.write_context(*self.deferred.tensors(self.device))
         self.deferred = DeferredContext()
 
-    def _defer_decode_rows(self, step: TargetStep) -> None:
+    def defer_decode_rows(
+        self,
+        features: torch.Tensor,  # [>= rows, K * hidden], row i request i's
+        positions: list[int],  # [rows] each request's one row
+        block_tables: list[list[int]],  # [rows]
+        write_deferred_first: bool = False,
+    ) -> None:
         """Keeps a plain decode step's rows (one a request, its position and slot known on the
-        host) for the deferred write; builds no drafter inputs."""
-        rows = len(step.starts)
-        if not self._fits(step.features, rows):
+        host) for the deferred write; builds no drafter inputs. Called every step of a batch
+        that drafts nothing, so it takes the host's lists as they are (no `TargetStep`):
+        on a small target the host's time per step is the step's."""
+        rows = len(positions)
+        if write_deferred_first or not self._fits(features, rows):
             self.write_deferred()
         size = self.proposer.block_size
-        slots = flat_slots(step.block_tables, step.starts, step.query_lens, size)
-        self.deferred.add_decode_rows(step.features[:rows], step.starts, slots, size)
+        tables_positions = zip(block_tables, positions, strict=True)
+        slots = [t[p // size] * size + p % size for t, p in tables_positions]
+        self.deferred.add_decode_rows(features[:rows], positions, slots, size)
 
     def _blocks_written(self, step: TargetStep) -> set[int]:
         """The KV blocks `step`'s rows lie in (a verify's rejected rows' too)."""
@@ -195,9 +204,9 @@ class DraftLauncher:
             # A plain decode step (one row a request), synchronous or launched ahead by async
             # decode: no drafter inputs (on one CPU thread they cost a tiny target's
             # never-drafting step ~0.2 ms over plain decoding's).
-            if write_deferred_first:
-                self.write_deferred()
-            self._defer_decode_rows(step)
+            self.defer_decode_rows(
+                step.features, step.starts, step.block_tables, write_deferred_first
+            )
             return None
         if not defer or write_deferred_first or not self._fits(step.features, rows):
             self.write_deferred()
