@@ -12,7 +12,11 @@ prefill, whose drafter context the speculative engines write too) and then for `
         [--probe-budget 0.01 0.005] [--fixed 15 7]
 
 `--fixed N...` adds engines that draft N every step (`num_speculative_tokens_by_batch` None):
-where the drafter is good the default should match the best of them.
+where the drafter is good the default should match the best of them. `--trace F` writes, for
+each engine that chooses its N, every timed step: the N chosen, the chooser's inputs when that
+N differs from the step before's (`conc_probe.weighed`), and the step times it was handed; and
+prints how often each N was chosen. For telling why the default drafts or not on a machine
+(tracing adds host time to every step: read its rates from a run without it).
 
 No --model: the embedded SmolLM2-135M-Instruct and its shipped drafter. Prompts: the first
 `--num-prompts` of each `blockdraft bench` set named.
@@ -25,6 +29,7 @@ import datetime
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tqdm import tqdm
@@ -32,6 +37,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import add_turn_taking_args, hardware, print_table  # noqa: E402
+from benchmarks.conc_probe import weighed  # noqa: E402
 from blockdraft import LLM, SamplingParams  # noqa: E402
 from blockdraft.bench import (  # noqa: E402
     PROMPT_SETS,
@@ -57,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--fixed", type=int, nargs="*", default=[],
         help="also engines drafting this many tokens every step, taking turns with the rest",
     )  # fmt: skip
+    ap.add_argument("--trace", default=None, help="a JSON file for the choosers' steps")
     add_turn_taking_args(ap)
     args = ap.parse_args(argv)
     if min(args.num_prompts, args.max_tokens, args.repeats) < 1:
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     whole = SamplingParams(max_tokens=args.max_tokens, **seeded)
     for llm in engines.values():  # warm-up
         chat_pass(llm, prompts[:1], SamplingParams(max_tokens=4, **seeded))
+    traces = {name: trace_choices(llm) for name, llm in engines.items()} if args.trace else {}
+    traces = {name: steps for name, steps in traces.items() if steps is not None}
     passes: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     steps = dict.fromkeys(engines, 0)  # decode steps over all passes
     verifies: dict[str, list[int]] = {name: [] for name in engines}
@@ -125,7 +134,39 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.trace:
+        for name, steps in traces.items():
+            counts = Counter(step["n"] for step in steps)
+            print(f"{name}: N chosen {dict(sorted(counts.items()))} over {len(steps)} steps")
+        Path(args.trace).write_text(json.dumps(traces))
     return result
+
+
+def trace_choices(llm: LLM) -> list[dict] | None:
+    """The steps of an engine that chooses its N, recorded from now on (None: a pinned N):
+    each {"n", "weighed" (when N changed), "timed": [[batch, N, ms, pipelined], ...]}."""
+    engine = llm.engine
+    chooser = engine.draft_length
+    if chooser is None or not chooser.schedule.is_adaptive:
+        return None
+    steps: list[dict] = []
+    choose, record = chooser.choose, chooser.record_if_uniform
+
+    def traced_choose(estimates: object, batch: int) -> int:
+        inputs = weighed(engine)
+        n = choose(estimates, batch)
+        changed = not steps or steps[-1]["n"] != n
+        steps.append({"n": n, "weighed": inputs if changed else None, "timed": []})
+        return n
+
+    def traced_record(chunks: list, n: int, seconds: float, pipelined: bool = True) -> None:
+        if steps:
+            steps[-1]["timed"].append([len(chunks), n, seconds * 1e3, pipelined])
+        record(chunks, n, seconds, pipelined)
+
+    # Instance attributes over the methods (the engine calls them through the chooser).
+    chooser.choose, chooser.record_if_uniform = traced_choose, traced_record
+    return steps
 
 
 if __name__ == "__main__":

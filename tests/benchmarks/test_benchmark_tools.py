@@ -438,7 +438,7 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     out = never_slower.main([
         "--sets", "mtbench", "--num-prompts", "1", "--max-tokens", "4", "--repeats", "1",
         "--threads", "1", "--json", str(tmp_path / "out.json"), "--probe-budget", "0.01",
-        "--fixed", "3",
+        "--fixed", "3", "--trace", str(tmp_path / "trace.json"),
     ])  # fmt: skip
     rows = {r["engine"]: r for r in out["rows"]}
     assert set(rows) == {
@@ -451,6 +451,17 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     assert rows["AR"]["vs_ar"] == 1.0 and rows["AR"]["drafting_steps"] == 0
     assert rows["never drafting"]["drafting_steps"] == 0 == rows["never drafting"]["tau"]
     assert json.loads((tmp_path / "out.json").read_text())["rows"] == out["rows"]
+    # The trace: the engines that choose their N, each of their timed steps' N (the first
+    # with the chooser's inputs), and the step times handed to the chooser.
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert set(trace) == {"default", "default, probe budget 0.01"}
+    for steps in trace.values():
+        assert steps and all(0 <= step["n"] <= 15 for step in steps)
+        assert steps[0]["weighed"]["cost_ms"] and "alpha" in steps[0]["weighed"]
+        changes = [i for i in range(1, len(steps)) if steps[i]["n"] != steps[i - 1]["n"]]
+        assert all(steps[i]["weighed"] is not None for i in changes)
+        timed = [t for step in steps for t in step["timed"]]
+        assert timed and all(t[0] == 1 and t[2] > 0 for t in timed)
     with pytest.raises(SystemExit, match="--temperature"):
         never_slower.main(["--temperature", "-1"])
     with pytest.raises(SystemExit, match="--probe-budget"):
