@@ -206,19 +206,27 @@ def lower_median(window: deque[float]) -> float:
 
 class StepCostModel:
     """Seconds per uniform step by (batch bucket, N): measured where the engine has run such
-    steps, else the prior scaled by the bucket's measured decode-step unit."""
+    steps, else the prior scaled by the bucket's measured decode-step unit.
+
+    Batches with a sampled request (T > 0) have buckets of their own (`sampled`, set by the
+    chooser for the batch it weighs): their steps sample and rejection-sample, and on a
+    host-bound target cost ~1.25x a greedy batch's at every N (a tiny target on one CPU
+    thread: decode 1.23x, N = 3 1.28x). With one table for both, an engine whose greedy and
+    sampled requests take turns prices one kind's drafting against the other kind's decode
+    steps: greedy drafting looks dearer than it is after sampled decode steps, and sampled
+    drafting cheaper after greedy ones."""
 
     def __init__(self, prior: CostPrior) -> None:
         self.prior = prior
+        self.sampled = False  # the batch priced or timed now has a sampled request
         self.measured: dict[tuple[int, int], float] = {}  # (bucket, N) -> seconds
         self.samples: dict[tuple[int, int], deque[float]] = {}  # their last COST_WINDOW times
         self.unit: dict[int, float] = {}  # bucket -> seconds per prior unit (a decode step)
         self.fastest_decode: dict[int, float] = {}  # bucket -> the fastest decode step timed
 
-    @staticmethod
-    def bucket(batch: int) -> int:
-        """Power-of-two buckets: 1, 2-3, 4-7, 8-15, ..."""
-        return batch.bit_length()
+    def bucket(self, batch: int) -> int:
+        """Power-of-two buckets: 1, 2-3, 4-7, 8-15, ...; a sampled batch's are their negatives."""
+        return -batch.bit_length() if self.sampled else batch.bit_length()
 
     def record(self, batch: int, num_drafts: int, seconds: float) -> None:
         bucket = self.bucket(batch)
@@ -404,7 +412,7 @@ class DraftLengthChooser:
     def record_step(self, batch: int, num_drafts: int, seconds: float) -> None:
         """A uniform step of `batch` requests, each verifying and proposing `num_drafts`."""
         self.costs.record(batch, num_drafts, seconds)
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         measured = self.costs.measured
         if not num_drafts:
             self.decode_timed_at[bucket] = self.num_steps
@@ -451,7 +459,7 @@ class DraftLengthChooser:
         self.probe_timing = None
         if not self.costs.has(batch, 0):  # nothing to compare with yet
             return
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         window = self.probe_extra.setdefault(bucket, deque(maxlen=COST_WINDOW))
         window.append(max(total - PROBE_SPAN * self.costs.cost(batch, 0), 0.0))
         self.probe_measured[bucket] = lower_median(window)
@@ -459,7 +467,7 @@ class DraftLengthChooser:
     def measured_probe_cost(self, batch: int) -> float | None:
         """A probe's extra seconds over plain decoding at this bucket, the median of the last
         few measured; None before any."""
-        return self.probe_measured.get(StepCostModel.bucket(batch))
+        return self.probe_measured.get(self.costs.bucket(batch))
 
     def probe_cost(self, batch: int, probe: int) -> float:
         """A probe's extra seconds over plain decoding: measured, else the uniform steps'
@@ -483,7 +491,7 @@ class DraftLengthChooser:
         whose drafts rarely land kept drafting after each lucky verify. (One pass over the
         bucket's state: `choose` runs every step, on the host of a small target's ~1 ms step.)"""
         costs = self.costs
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         unit = costs.unit.get(bucket, 1.0)
         probe = self.probe_measured.get(bucket)
         decode = costs.measured.get((bucket, 0), unit)  # the prior prices N = 0 at one unit
@@ -504,6 +512,11 @@ class DraftLengthChooser:
         allowed = self.allowed_by_cap[cap]
         if len(allowed) == 1:
             return allowed[0]
+        # The batch's kind picks its step costs (StepCostModel.sampled), for this choice and
+        # for the timing of the step it launches (a step launched ahead before that timing
+        # runs the same requests: the same kind).
+        estimates = list(estimates)
+        self.costs.sampled = any(e.sampled for e in estimates)
         if self._calibrating(batch):
             return 0
         if (explored := self._continue_exploring(batch, allowed)) is not None:
@@ -600,7 +613,7 @@ class DraftLengthChooser:
         margin = self.costs.prior.explore_margin
         if not margin or not self.costs.has(batch, best):
             return best
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         floor = max(rates[best] * (1.0 - margin), rates.get(0, 0.0))
         untimed = [
             n
@@ -639,7 +652,7 @@ class DraftLengthChooser:
     def _calibrating(self, batch: int) -> bool:
         """Whether this step is one of the plain-decode steps that time N = 0 at a bucket: the
         first one there, or a calibration under way."""
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         left = self.calibrating.get(bucket, 0)
         if left:
             self.calibrating[bucket] = left - 1
@@ -652,7 +665,7 @@ class DraftLengthChooser:
     def _recalibration_due(self, batch: int, plain_share: float) -> bool:
         """Whether a drafting batch, whose plain decoding would run at `plain_share` of its
         expected rate, times N = 0 again now (RECALIBRATE_BUDGET)."""
-        bucket = StepCostModel.bucket(batch)
+        bucket = self.costs.bucket(batch)
         since_timed = self.num_steps - self.decode_timed_at[bucket]  # steps
         if bucket in self.decode_suspect:
             spacing = self.decode_recheck_spacing.get(bucket, DECODE_RECHECK_SPACING)

@@ -541,6 +541,30 @@ def test_greedy_and_sampled_requests_have_their_own_prior(rng) -> None:
     assert rates[3] == pytest.approx((greedy + sampled) / cost)
 
 
+def test_greedy_and_sampled_batches_have_their_own_step_costs(rng) -> None:
+    """A batch with a sampled request is priced from the steps of such batches, a greedy one
+    from greedy steps: where sampled steps make drafting 3x a decode step and greedy ones 1.2x,
+    at the same alpha a greedy batch drafts and a sampled one does not, whichever kind's steps
+    were timed last (one table for both priced one kind's drafting with the other's times)."""
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    alpha = r.uniform(0.45, 0.55)
+    set_drafter_prior(chooser, alpha)
+    decode = r.uniform(0.5e-3, 2e-3)
+    drafting = {False: 1.2, True: 3.0}  # a drafting step, in decode steps of its kind
+    for sampled in r.sample([False, True], 2):
+        chooser.costs.sampled = sampled
+        for n in range(NUM_SPEC + 1):
+            scale = (1.25 if sampled else 1.0) * (drafting[sampled] if n else 1.0)
+            chooser.record_step(1, n, decode * scale)
+    for sampled in [r.random() < 0.5 for _ in range(6)]:
+        n = chooser.choose([AcceptanceEstimate(sampled=sampled)], 1)
+        assert (n == 0) == sampled
+        assert chooser.step_cost(1, 1) == pytest.approx(
+            decode * (1.25 if sampled else 1.0) * drafting[sampled]
+        )
+
+
 def test_cap_from_the_schedule_bounds_the_choice(rng) -> None:
     """'auto' on the CPU: the chooser never drafts from AUTO_CPU_STOP_BATCH requests on, and
     picks among 0..N below it."""
@@ -619,7 +643,7 @@ def test_explores_a_draft_length_the_prior_prices_close_to_the_best(rng) -> None
     chosen = run_timed(chooser, alphas, r, 80, seconds)
     assert 3 not in chosen[: chosen.index(7)]  # the prior's pick first
     assert chosen[-30:] == [3] * 30, chosen
-    assert chooser.explored == {(StepCostModel.bucket(batch), 3)}
+    assert chooser.explored == {(chooser.costs.bucket(batch), 3)}
     chosen = run_timed(trusted_chooser(0.86, explore=False), alphas, r, 80, seconds)
     assert 3 not in chosen and chosen[-30:] == [7] * 30, chosen
 
