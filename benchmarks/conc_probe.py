@@ -45,13 +45,16 @@ class StepRecord:
 
 def weighed(engine: object) -> dict | None:
     """The chooser's inputs for the running batch: its requests' mean alpha (never verified:
-    the prior of its kind), the engine-wide prior of greedy requests, cost(b, N) per allowed N
+    the prior of its kind), whether it samples, the engine-wide prior of its kind (a batch
+    with a sampled request: sampled requests'), cost(b, N) of its kind per allowed N
     and a probe's cost in ms, the rates it compares (tokens a second, drafting's margin
     included), the probe interval and whether it is calibrating; None for a fixed schedule."""
     chooser, running = engine.draft_length, engine.scheduler.running
     if chooser is None or not running or not chooser.schedule.is_adaptive:
         return None
-    batch, prior = len(running), chooser.prior_alpha()
+    # The batch's own kind of step costs (greedy or sampled), as `choose` will price it.
+    sampled = chooser.costs.sampled = any(s.acceptance.sampled for s in running)
+    batch, prior = len(running), chooser.prior_alpha(sampled)
     alphas = [
         e.alpha_bin / ALPHA_BINS if e.alpha_bin >= 0 else chooser.prior_alpha(e.sampled)
         for e in (s.acceptance for s in running)
@@ -60,6 +63,7 @@ def weighed(engine: object) -> dict | None:
     bucket = chooser.costs.bucket(batch)
     return {
         "alpha": sum(alphas) / len(alphas),
+        "sampled": sampled,
         "prior": prior,
         "cost_ms": {n: 1e3 * chooser.step_cost(batch, n) for n in allowed},
         "tokens_per_s": chooser.expected_rates((s.acceptance for s in running), batch),

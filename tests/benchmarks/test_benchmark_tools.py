@@ -458,6 +458,7 @@ def test_never_slower_times_ar_a_never_drafting_engine_and_the_default(
     for steps in trace.values():
         assert steps and all(0 <= step["n"] <= 15 for step in steps)
         assert steps[0]["weighed"]["cost_ms"] and "alpha" in steps[0]["weighed"]
+        assert steps[0]["weighed"]["sampled"]  # the script's default temperature is 1
         changes = [i for i in range(1, len(steps)) if steps[i]["n"] != steps[i - 1]["n"]]
         assert all(steps[i]["weighed"] is not None for i in changes)
         timed = [t for step in steps for t in step["timed"]]
