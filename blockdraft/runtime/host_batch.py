@@ -13,6 +13,13 @@ def slots_for_positions(block_table: list[int], positions: range, block_size: in
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
+def decode_slots(block_tables: list[list[int]], positions: list[int], block_size: int) -> list[int]:
+    """`flat_slots` of one row a request, at `positions`: without a range a row (a batch that
+    drafts nothing keeps its rows' slots every step, on the host of a small target's step)."""
+    pairs = zip(block_tables, positions, strict=True)
+    return [table[p // block_size] * block_size + p % block_size for table, p in pairs]
+
+
 def flat_slots(
     block_tables: list[list[int]], starts: list[int], query_lens: list[int], block_size: int
 ) -> list[int]:

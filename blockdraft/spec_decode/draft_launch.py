@@ -36,7 +36,7 @@ import torch
 
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.host_tensors import int64_tensors
-from blockdraft.runtime.host_batch import padded_block_tables
+from blockdraft.runtime.host_batch import decode_slots, padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
 from blockdraft.spec_decode.proposer import DFlashProposer
@@ -170,14 +170,13 @@ class DraftLauncher:
     ) -> None:
         """Keeps a plain decode step's rows (one a request, its position and slot known on the
         host) for the deferred write; builds no drafter inputs. Called every step of a batch
-        that drafts nothing, so it takes the host's lists as they are (no `TargetStep`):
-        on a small target the host's time per step is the step's."""
+        that drafts nothing, so it takes the host's lists as they are (no `TargetStep`, built
+        for one row a request): on a small target the host's time per step is the step's."""
         rows = len(positions)
         if write_deferred_first or not self._fits(features, rows):
             self.write_deferred()
         size = self.proposer.block_size
-        tables_positions = zip(block_tables, positions, strict=True)
-        slots = [t[p // size] * size + p % size for t, p in tables_positions]
+        slots = decode_slots(block_tables, positions, size)
         self.deferred.add_decode_rows(features[:rows], positions, slots, size)
 
     def _blocks_written(self, step: TargetStep) -> set[int]:

@@ -491,7 +491,7 @@ class DraftLengthChooser:
         whose drafts rarely land kept drafting after each lucky verify. (One pass over the
         bucket's state: `choose` runs every step, on the host of a small target's ~1 ms step.)"""
         costs = self.costs
-        bucket = self.costs.bucket(batch)
+        bucket = costs.bucket(batch)
         unit = costs.unit.get(bucket, 1.0)
         probe = self.probe_measured.get(bucket)
         decode = costs.measured.get((bucket, 0), unit)  # the prior prices N = 0 at one unit

@@ -1,10 +1,12 @@
-"""Host lists packed into aligned device views (`blockdraft.kernels.host_tensors`)."""
+"""Host lists packed into aligned device views (`blockdraft.kernels.host_tensors`), and a step's KV
+slots from its block tables (`blockdraft.runtime.host_batch`)."""
 
 import random
 
 import torch
 
 from blockdraft.kernels.host_tensors import host_tensors, int64_tensors
+from blockdraft.runtime.host_batch import decode_slots, flat_slots
 
 
 def test_int64_tensors(py_rng: random.Random) -> None:
@@ -30,3 +32,12 @@ def test_float32_tensors_are_aligned_views_of_one_copy(py_rng: random.Random) ->
     assert all(v.dtype == torch.float32 and v.data_ptr() % 16 == 0 for v in views)
     base = views[0].untyped_storage().data_ptr()
     assert all(v.untyped_storage().data_ptr() == base for v in views)
+
+
+def test_decode_slots_are_flat_slots_of_one_row_a_request(py_rng: random.Random) -> None:
+    """The one-row-a-request fast path gives the general walk's slots."""
+    block_size = py_rng.choice([1, 4, 16])
+    tables = [py_rng.sample(range(100), py_rng.randrange(1, 6)) for _ in range(5)]
+    positions = [py_rng.randrange(len(t) * block_size) for t in tables]
+    got = decode_slots(tables, positions, block_size)
+    assert got == flat_slots(tables, positions, [1] * len(tables), block_size)
