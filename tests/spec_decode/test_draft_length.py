@@ -5,6 +5,7 @@ expected tokens per second."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import random
@@ -812,3 +813,88 @@ def test_a_long_idle_stretch_leaves_decayed_estimates_alone(rng) -> None:
     posterior, expected = one[0].posterior, one[0].expected
     assert [chooser.choose(one, 1) for _ in range(4 * IDLE_AGE_STEPS)] == [0] * 4 * IDLE_AGE_STEPS
     assert one[0].posterior == posterior and one[0].expected is expected
+
+
+def stretch_run(chooser: DraftLengthChooser, r: random.Random, batch: int, steps: int) -> list[int]:
+    """`steps` steps of `batch` requests whose text alternates stretches the drafter gets right
+    (alpha 0.95, 30-60 steps) and wrong (alpha 0, 150-250 steps), drafts verified at the next
+    step and uniform steps timed at the cost table's value, as in `run`."""
+    estimates = [AcceptanceEstimate(sampled=r.random() < 0.5) for _ in range(batch)]
+    chosen, pending, alpha, left = [], 0, 0.0, 0
+    for _ in range(steps):
+        if not left:
+            predictable = alpha < 0.5
+            alpha = 0.95 if predictable else 0.0
+            left = r.randint(30, 60) if predictable else r.randint(150, 250)
+        left -= 1
+        n = chooser.choose(estimates, batch)
+        for e in estimates:
+            if pending:
+                chooser.observe(e, accepted_run(r, alpha, pending), pending)
+        if n == pending:
+            chooser.record_step(batch, n, chooser.costs.cost(batch, n))
+        chosen.append(n)
+        pending = n
+    return chosen
+
+
+def test_an_idle_batch_left_unweighed_chooses_as_weighing_would(rng, monkeypatch) -> None:
+    """Between the steps that age or probe, a batch the last choice left idle, whose
+    estimates no verify has moved since, gets N = 0 without being weighed: the same choices
+    as weighing every step, where the step costs stand still."""
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    batch = int(torch.randint(1, 5, (1,), generator=rng))
+    weighed = collections.Counter()
+
+    def choices(quiet: bool) -> list[int]:
+        r = random.Random(seed)
+        chooser = chooser_with_costs(r, range(1, 5), r.uniform(0.5, 0.8), r.uniform(0.01, 0.03))
+        if not quiet:
+            monkeypatch.setattr(chooser, "_quiet_step", lambda: False)
+        view = chooser._batch_view
+
+        def counted(*args, **kwargs):
+            weighed[quiet] += 1
+            return view(*args, **kwargs)
+
+        monkeypatch.setattr(chooser, "_batch_view", counted)
+        return stretch_run(chooser, r, batch, 800)
+
+    quiet, every_step = choices(True), choices(False)
+    assert quiet == every_step
+    idle = quiet.count(0)
+    assert idle >= 100 and sum(n > 1 for n in quiet) >= 20, quiet  # idles and drafts
+    # Weighed at the idle steps that age or probe (1 in IDLE_AGE_STEPS), at the first after a
+    # choice that drafted and after a verify (a probe's), and no more.
+    assert weighed[False] - weighed[True] >= 0.25 * idle, (weighed, idle)
+
+
+def test_an_idle_batch_is_weighed_again_after_a_verify_or_a_slower_decode(rng) -> None:
+    """A verify read back during an idle stretch (a probe's) is weighed at the next step,
+    and decode steps timed slower within IDLE_AGE_STEPS steps: either may make drafting pay."""
+    r = py_random(rng)
+    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.3, 0.6), 0.02)
+    set_drafter_prior(chooser, 0.01, 100)  # drafts rarely land: the batch will not draft
+    chooser.probe_interval = 10**6  # no probe within the test
+    one = [AcceptanceEstimate()]
+    chooser.observe(one[0], 0, 3)
+    for _ in range(2 * IDLE_AGE_STEPS):
+        assert chooser.choose(one, 1) == 0
+    while (chooser.idle_steps + 1) % IDLE_AGE_STEPS == 0:  # the next step must not age
+        assert chooser.choose(one, 1) == 0
+    assert chooser.quiet is not None
+    for _ in range(20):  # a stretch of text the drafter gets right, all at once
+        chooser.observe(one[0], NUM_SPEC, NUM_SPEC)
+    assert chooser.choose(one, 1) > 0
+    # Another idle batch, then plain decoding timed 20x slower.
+    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.3, 0.6), 0.02)
+    set_drafter_prior(chooser, 0.3, 100)
+    chooser.probe_interval = 10**6
+    one = [AcceptanceEstimate()]
+    chooser.observe(one[0], 0, 3)
+    for _ in range(2 * IDLE_AGE_STEPS):
+        assert chooser.choose(one, 1) == 0
+    assert chooser.quiet is not None
+    for _ in range(COST_WINDOW):
+        chooser.record_step(1, 0, 20 * chooser.costs.cost(1, 0))
+    assert any(chooser.choose(one, 1) for _ in range(IDLE_AGE_STEPS))
