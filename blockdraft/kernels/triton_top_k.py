@@ -10,11 +10,16 @@ position: torch's radix select costs ~40 us there, several passes over [R, V].
 K best values of those groups, each by K rounds of (max, lowest column holding it). A group's
 maximum precedes every other value of the group in that order, so the row's top K lie in its K
 best groups. The rounds over the groups go by chunks of CHUNK groups: a round reduces the
-chunks' maxima and reads one chunk, not all ~4,700 group maxima of a 150k vocabulary (H100,
+chunks' best and reads one chunk, not all ~4,700 group maxima of a 150k vocabulary (H100,
 k = 16 of 151,936 bf16 columns, both launches: 49 / 60 / 183 -> 40 / 55 / 155 us at 15 / 120 /
 480 rows; torch.topk 75 / 253 / 651, argmax 16 / 42 / 102). Two passes over few bytes beat
 per-program top Ks of column ranges merged afterwards: those programs' K rounds serialise where
-the first pass only reads.
+the first pass only reads. The second pass's time is its rounds' reductions, one program's
+warps meeting in shared memory each time: a candidate is one int64 key (`_keys`), so a round is
+one reduction where a value and then its lowest column took two, and a chunk's next best is its
+largest key below the one taken, where a list of the groups taken was searched (H100, k = 16
+of 151,936, both launches in a CUDA graph: 32.9 / 41.8 / 144.1 -> 28.1 / 42.2 / 136.9 us at
+15 / 120 / 480 rows).
 """
 
 from __future__ import annotations
@@ -23,25 +28,51 @@ import torch
 import triton
 import triton.language as tl
 
-from blockdraft.kernels.triton_sampling import BIG_INDEX
-
 GROUP = 32  # columns per group: the first pass ranks the groups by their maxima first
 CHUNK = 32  # groups per chunk of the second pass's ranking
 
 
+# A candidate is one int64 key, (value's order-preserving bits) << 32 | (LOW_BITS - column):
+# keys order as values do, ties by the lowest column, and no two are equal, so each round of
+# (max, lowest column holding it) is one reduction, and the next best is the largest key below
+# the last one taken (no list of those taken).
+LOW_BITS: tl.constexpr = tl.constexpr(2**32 - 1)
+NO_KEY: tl.constexpr = tl.constexpr(-(2**63))  # below every key: masked candidates
+
+
 @triton.jit
-def _take_top(vals, cols, alive, k, BLOCK_K: tl.constexpr):
-    # vals [B] float32, cols [B] int64, alive [B] bool -> ([BLOCK_K] values, [BLOCK_K] columns)
+def _keys(vals, cols):  # float32 [..], int64 [..] (< 2**32) -> int64 keys
+    # -0.0 ranks as 0.0 (torch's order: equal values).
+    bits = tl.where(vals == 0.0, 0.0, vals).to(tl.int32, bitcast=True)
+    # Negative floats order backwards as integers: flip their magnitude bits.
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    low = tl.full([], LOW_BITS, tl.int64)
+    return (ordered.to(tl.int64) << 32) | (low - cols)
+
+
+@triton.jit
+def _key_columns(keys):  # int64 keys -> int64 columns
+    low = tl.full([], LOW_BITS, tl.int64)
+    return low - (keys & low)
+
+
+@triton.jit
+def _key_values(keys):  # int64 keys -> float32 values
+    ordered = (keys >> 32).to(tl.int32)
+    bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _take_top(keys, k, BLOCK_K: tl.constexpr):
+    # keys [B] int64 (NO_KEY: none) -> the k largest, best first ([BLOCK_K], NO_KEY past k)
     ks = tl.arange(0, BLOCK_K)
-    top_v = tl.full([BLOCK_K], float("-inf"), dtype=tl.float32)
-    top_i = tl.full([BLOCK_K], BIG_INDEX, dtype=tl.int64)
+    top = tl.full([BLOCK_K], NO_KEY, dtype=tl.int64)
     for t in range(k):
-        best = tl.max(tl.where(alive, vals, float("-inf")), axis=0)
-        col = tl.min(tl.where(alive & (vals == best), cols, BIG_INDEX), axis=0)
-        top_v = tl.where(ks == t, best, top_v)
-        top_i = tl.where(ks == t, col, top_i)
-        alive = alive & (cols != col)
-    return top_v, top_i
+        best = tl.max(keys, axis=0)
+        top = tl.where(ks == t, best, top)
+        keys = tl.where(keys == best, NO_KEY, keys)
+    return top
 
 
 @triton.jit
@@ -49,55 +80,45 @@ def _best_groups(
     max_row_ptr,
     num_groups,
     k,
-    GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_K: tl.constexpr,
-):  # -> [BLOCK_K] the first columns of the k groups with the best maxima, best first
-    # K rounds of (max, lowest index) over every group maximum would each reduce the whole row;
-    # instead the groups come in chunks whose maxima (of their groups not yet taken) pick the
-    # chunk a round takes from, and only that chunk is read again.
+):  # -> [BLOCK_K] the k groups with the best maxima, best first (-1: none)
+    # K rounds over every group maximum would each reduce the whole row; instead each chunk of
+    # CHUNK groups keeps its best key not taken yet, a round takes the best of those, and only
+    # that chunk is read again (for its best key below the one taken).
     cs = tl.arange(0, BLOCK_C)
     lanes = tl.arange(0, CHUNK).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     groups = cs.to(tl.int64)[:, None] * CHUNK + lanes[None, :]
-    tile = tl.load(max_row_ptr + groups, mask=groups < num_groups, other=float("-inf"))
-    chunk_max = tl.max(tile, axis=1)
-    chunk_live = tl.minimum(tl.maximum(num_groups - cs * CHUNK, 0), CHUNK)
-    taken = tl.full([BLOCK_K], BIG_INDEX, dtype=tl.int64)
+    real = groups < num_groups
+    tile = tl.load(max_row_ptr + groups, mask=real, other=float("-inf"))
+    chunk_key = tl.max(tl.where(real, _keys(tile, groups), NO_KEY), axis=1)
+    taken = tl.full([BLOCK_K], -1, dtype=tl.int64)
     for t in range(k):
-        live = chunk_live > 0
-        best = tl.max(tl.where(live, chunk_max, float("-inf")), axis=0)
-        c = tl.min(tl.where(live & (chunk_max == best), cs, BLOCK_C), axis=0)
-        g = c.to(tl.int64) * CHUNK + lanes
-        vals = tl.load(max_row_ptr + g, mask=g < num_groups, other=float("-inf"))
-        dead = tl.max((g[:, None] == taken[None, :]).to(tl.int32), axis=1) > 0
-        ok = (g < num_groups) & ~dead
-        pick = tl.min(tl.where(ok & (vals == best), g, BIG_INDEX), axis=0)
-        rest = ok & (g != pick)
-        chunk_max = tl.where(
-            cs == c, tl.max(tl.where(rest, vals, float("-inf")), axis=0), chunk_max
-        )
-        chunk_live = tl.where(cs == c, chunk_live - 1, chunk_live)
-        taken = tl.where((ks == t) & (pick < BIG_INDEX), pick, taken)
-    return tl.where(taken < BIG_INDEX, taken * GROUP, BIG_INDEX)
+        best = tl.max(chunk_key, axis=0)
+        group = _key_columns(best)
+        c = group // CHUNK
+        g = c * CHUNK + lanes
+        ok = g < num_groups
+        vals = tl.load(max_row_ptr + g, mask=ok, other=float("-inf"))
+        keys = tl.where(ok, _keys(vals, g), NO_KEY)
+        rest = tl.max(tl.where(keys < best, keys, NO_KEY), axis=0)
+        chunk_key = tl.where(cs == c, rest, chunk_key)
+        taken = tl.where((ks == t) & (best > NO_KEY), group, taken)
+    return taken
 
 
 @triton.jit
 def _top_of_groups(
     row_ptr, best_groups, vocab, k, GROUP: tl.constexpr, BLOCK_K: tl.constexpr
-):  # -> the k best values of the groups starting at `best_groups` (BIG_INDEX: none), columns
+):  # -> the k best keys of the groups `best_groups` (-1: none), best first
     lanes = tl.arange(0, GROUP).to(tl.int64)
-    picked = best_groups[:, None] + lanes[None, :]  # [BLOCK_K, GROUP]; BIG_INDEX rows unused
-    ok = (best_groups < BIG_INDEX)[:, None] & (picked < vocab)
+    picked = best_groups[:, None] * GROUP + lanes[None, :]  # [BLOCK_K, GROUP]; -1 rows unused
+    ok = (best_groups >= 0)[:, None] & (picked < vocab)
     cand = tl.load(row_ptr + picked, mask=ok, other=float("-inf"))
-    return _take_top(
-        tl.reshape(cand.to(tl.float32), [BLOCK_K * GROUP]),
-        tl.reshape(tl.where(ok, picked, BIG_INDEX), [BLOCK_K * GROUP]),
-        tl.reshape(ok, [BLOCK_K * GROUP]),
-        k,
-        BLOCK_K,
-    )
+    keys = tl.where(ok, _keys(cand.to(tl.float32), picked), NO_KEY)
+    return _take_top(tl.reshape(keys, [BLOCK_K * GROUP]), k, BLOCK_K)
 
 
 @triton.jit
@@ -135,13 +156,11 @@ def _top_k_groups_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     # The row's top k lie in its k best groups by their maxima (see the module's docstring).
-    best_groups = _best_groups(
-        max_ptr + row * num_groups, num_groups, k, GROUP, CHUNK, BLOCK_C, BLOCK_K
-    )
-    top_v, top_i = _top_of_groups(x_ptr + row * stride_x, best_groups, vocab, k, GROUP, BLOCK_K)
+    best_groups = _best_groups(max_ptr + row * num_groups, num_groups, k, CHUNK, BLOCK_C, BLOCK_K)
+    top = _top_of_groups(x_ptr + row * stride_x, best_groups, vocab, k, GROUP, BLOCK_K)
     ks = tl.arange(0, BLOCK_K)
-    tl.store(out_vals_ptr + row * k + ks, top_v, mask=ks < k)
-    tl.store(out_cols_ptr + row * k + ks, top_i, mask=ks < k)
+    tl.store(out_vals_ptr + row * k + ks, _key_values(top), mask=ks < k)
+    tl.store(out_cols_ptr + row * k + ks, _key_columns(top), mask=ks < k)
 
 
 def _rows_and_outputs(

@@ -29,7 +29,8 @@ def test_top_k_equals_torch(rng, rows: int, vocab: int, k: int) -> None:
 
 
 def test_ties_take_the_lowest_columns(rng) -> None:
-    """Few distinct values over two first-pass programs, -inf among them (a whole row of it):
+    """Few distinct values over two first-pass programs, -inf among them (a whole row of it)
+    and -0.0 for 0.0 in another:
     the values equal torch's, the columns are a stable descending sort's; the group maxima tie
     across the second pass's chunks."""
     vocab, k = WIDE + 500, 12
@@ -37,6 +38,8 @@ def test_ties_take_the_lowest_columns(rng) -> None:
     x[0, 0, ::3] = float("-inf")
     x[0, 1] = float("-inf")  # every group's maximum -inf: the lowest columns
     x[1, 2, WIDE - 2 : WIDE + 30] = 9.0  # ties across the programs' boundary
+    x[1, 0] = x[1, 0].clamp(max=0.0)  # zeros on top, every other one -0.0: all tie
+    x[1, 0, ::2][x[1, 0, ::2] == 0] = -0.0
     values, columns = triton_top_k(x, k)
     assert values.shape == columns.shape == (2, 3, k)
     assert torch.equal(values, top_k_torch(x, k)[0])
