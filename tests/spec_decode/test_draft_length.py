@@ -98,8 +98,18 @@ def run(
     """`steps` engine steps: each chooses N for the batch, the drafts proposed at a step are
     verified (observed) at the next one, and a uniform step (verifies and proposes N) is timed
     at the cost table's value, as in the engine."""
+    return run_by_step(chooser, estimates, [alphas] * steps, r)
+
+
+def run_by_step(
+    chooser: DraftLengthChooser,
+    estimates: list[AcceptanceEstimate],
+    alphas_by_step: list[list[float]],
+    r: random.Random,
+) -> list[int]:
+    """`run` with each step's own acceptance rates."""
     chosen, pending, batch = [], 0, len(estimates)
-    for _ in range(steps):
+    for alphas in alphas_by_step:
         n = chooser.choose(estimates, batch)
         for e, alpha in zip(estimates, alphas, strict=True):
             if pending:
@@ -797,15 +807,25 @@ def test_a_ramp_after_a_probe_doubles_at_most_till_the_largest_n() -> None:
     assert chooser.ramp == 0
 
 
+def idle_request(
+    r: random.Random, overhead: float, prior: float = 0.01
+) -> tuple[DraftLengthChooser, list[AcceptanceEstimate]]:
+    """A batch-1 chooser whose drafter's history puts alpha at `prior` (drafts rarely land: the
+    batch will not draft), with no probe within a test, and its one request, verified once
+    with nothing accepted."""
+    chooser = chooser_with_costs(r, range(1, 2), overhead, 0.02)
+    set_drafter_prior(chooser, prior, 100)
+    chooser.probe_interval = 10**6
+    one = [AcceptanceEstimate()]
+    chooser.observe(one[0], 0, 3)
+    return chooser, one
+
+
 def test_a_long_idle_stretch_leaves_decayed_estimates_alone(rng) -> None:
     """Once the counts from before an idle stretch have decayed away, its later steps leave
     each request's posterior and expected tokens as they are (no work a step for nothing)."""
     r = py_random(rng)
-    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.8, 1.2), 0.02)
-    set_drafter_prior(chooser, 0.01, 100)  # drafts rarely land: the batch will not draft
-    chooser.probe_interval = 10**6  # no probe within the test
-    one = [AcceptanceEstimate()]
-    chooser.observe(one[0], 0, 3)
+    chooser, one = idle_request(r, r.uniform(0.8, 1.2))
     early = [chooser.choose(one, 1) for _ in range(IDLE_AGE_STEPS + 1)]
     assert early == [0] * (IDLE_AGE_STEPS + 1) and one[0].rejected < 1.0  # decaying
     for _ in range(100 * IDLE_AGE_STEPS):
@@ -817,25 +837,14 @@ def test_a_long_idle_stretch_leaves_decayed_estimates_alone(rng) -> None:
 
 def stretch_run(chooser: DraftLengthChooser, r: random.Random, batch: int, steps: int) -> list[int]:
     """`steps` steps of `batch` requests whose text alternates stretches the drafter gets right
-    (alpha 0.95, 30-60 steps) and wrong (alpha 0, 150-250 steps), drafts verified at the next
-    step and uniform steps timed at the cost table's value, as in `run`."""
+    (alpha 0.95, 30-60 steps) and wrong (alpha 0, 150-250 steps), as `run` runs them."""
     estimates = [AcceptanceEstimate(sampled=r.random() < 0.5) for _ in range(batch)]
-    chosen, pending, alpha, left = [], 0, 0.0, 0
-    for _ in range(steps):
-        if not left:
-            predictable = alpha < 0.5
-            alpha = 0.95 if predictable else 0.0
-            left = r.randint(30, 60) if predictable else r.randint(150, 250)
-        left -= 1
-        n = chooser.choose(estimates, batch)
-        for e in estimates:
-            if pending:
-                chooser.observe(e, accepted_run(r, alpha, pending), pending)
-        if n == pending:
-            chooser.record_step(batch, n, chooser.costs.cost(batch, n))
-        chosen.append(n)
-        pending = n
-    return chosen
+    alphas, good = [], False
+    while len(alphas) < steps:
+        good = not good
+        alpha, length = (0.95, r.randint(30, 60)) if good else (0.0, r.randint(150, 250))
+        alphas += [[alpha] * batch] * length
+    return run_by_step(chooser, estimates, alphas[:steps], r)
 
 
 def test_an_idle_batch_left_unweighed_chooses_as_weighing_would(rng, monkeypatch) -> None:
@@ -873,11 +882,7 @@ def test_an_idle_batch_is_weighed_again_after_a_verify_or_a_slower_decode(rng) -
     """A verify read back during an idle stretch (a probe's) is weighed at the next step,
     and decode steps timed slower within IDLE_AGE_STEPS steps: either may make drafting pay."""
     r = py_random(rng)
-    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.3, 0.6), 0.02)
-    set_drafter_prior(chooser, 0.01, 100)  # drafts rarely land: the batch will not draft
-    chooser.probe_interval = 10**6  # no probe within the test
-    one = [AcceptanceEstimate()]
-    chooser.observe(one[0], 0, 3)
+    chooser, one = idle_request(r, r.uniform(0.3, 0.6))
     for _ in range(2 * IDLE_AGE_STEPS):
         assert chooser.choose(one, 1) == 0
     while (chooser.idle_steps + 1) % IDLE_AGE_STEPS == 0:  # the next step must not age
@@ -887,11 +892,7 @@ def test_an_idle_batch_is_weighed_again_after_a_verify_or_a_slower_decode(rng) -
         chooser.observe(one[0], NUM_SPEC, NUM_SPEC)
     assert chooser.choose(one, 1) > 0
     # Another idle batch, then plain decoding timed 20x slower.
-    chooser = chooser_with_costs(r, range(1, 2), r.uniform(0.3, 0.6), 0.02)
-    set_drafter_prior(chooser, 0.3, 100)
-    chooser.probe_interval = 10**6
-    one = [AcceptanceEstimate()]
-    chooser.observe(one[0], 0, 3)
+    chooser, one = idle_request(r, r.uniform(0.3, 0.6), prior=0.3)
     for _ in range(2 * IDLE_AGE_STEPS):
         assert chooser.choose(one, 1) == 0
     assert chooser.quiet is not None
