@@ -530,7 +530,7 @@ class DraftLengthChooser:
         if (explored := self._continue_exploring(batch, allowed)) is not None:
             return explored
         idle = self.idle_steps
-        aged = idle >= 0 and (idle + 1) % IDLE_AGE_STEPS == 0
+        aged = self._ages_counts()
         tokens, mean_bin = self._batch_view(estimates, IDLE_DECAY**IDLE_AGE_STEPS if aged else 1.0)
         rates = self._rates(tokens, batch, allowed)
         best = max(allowed, key=lambda n: (rates[n], -n))
@@ -579,11 +579,17 @@ class DraftLengthChooser:
         but for the decode steps timed since, which move the step costs by a median's worth
         and are weighed at the next aging step. Weighing costs an idle step of a small target
         ~15 us of host time (SmolLM2 on an H100: ~1.5% of a plain decode step's)."""
-        idle = self.idle_steps
-        if (idle + 1) % IDLE_AGE_STEPS == 0 or self.steps_since_drafting + 1 >= self.probe_interval:
+        if self._ages_counts() or self.steps_since_drafting + 1 >= self.probe_interval:
             return False
-        self.idle_steps, self.steps_since_drafting = idle + 1, self.steps_since_drafting + 1
+        self.idle_steps += 1
+        self.steps_since_drafting += 1
         return True
+
+    def _ages_counts(self) -> bool:
+        """Whether this step, in an idle stretch, decays the batch's counts from before it
+        (every IDLE_AGE_STEPS steps of the stretch)."""
+        idle = self.idle_steps
+        return idle >= 0 and (idle + 1) % IDLE_AGE_STEPS == 0
 
     def _batch_view(
         self, estimates: Iterable[AcceptanceEstimate], age: float = 1.0
