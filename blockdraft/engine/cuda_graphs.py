@@ -3,7 +3,8 @@ at every batch bucket; verify (the target's, held by the model runner) and propo
 drafter's, held by the proposer) of 1+N rows for each N of the draft schedule, at the buckets of
 the batch sizes that use that N; a hybrid target's state commit after a verify at every
 bucket. All share one memory pool but the commit's (see capture_graphs). Off CUDA the graphs
-are eager twins (tests)."""
+are eager twins (tests). A speculative engine's decode graphs also keep their features in the
+drafter's feature ring (blockdraft/runtime/feature_ring.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from blockdraft.engine.model_runner import ModelRunner
 from blockdraft.runtime.commit_graphs import CommitGraphs
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.runtime.feature_ring import FeatureRing
 from blockdraft.spec_decode.draft_schedule import DraftSchedule
 from blockdraft.spec_decode.proposer import DFlashProposer
 
@@ -27,6 +29,7 @@ def capture_graphs(
     draft_schedule: DraftSchedule | None,
     batch_sizes: list[int],
     max_blocks_per_seq: int,
+    feature_ring: FeatureRing | None = None,  # the decode graphs keep their features there
 ) -> None:
     pool = None
 
@@ -34,7 +37,7 @@ def capture_graphs(
         nonlocal pool
         graphs = CUDAGraphRunner(
             runner.model, q, sizes, max_blocks_per_seq, runner.block_size, runner.device, pool,
-            linear_state=runner.has_linear_state,
+            linear_state=runner.has_linear_state, feature_ring=feature_ring if q == 1 else None,
         )  # fmt: skip
         graphs.capture()
         runner.graphs[q], pool = graphs, graphs.pool

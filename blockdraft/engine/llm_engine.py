@@ -24,6 +24,7 @@ from blockdraft.engine.tp_workers import TensorParallelWorkers
 from blockdraft.engine.warmup import warm_up_eager_steps
 from blockdraft.kernels.forward_context import under_kernel_policy
 from blockdraft.outputs import RequestOutput
+from blockdraft.runtime.feature_ring import FeatureRing
 from blockdraft.sampling_params import SamplingParams
 from blockdraft.spec_decode.draft_launch import DEFERRED_CONTEXT_MIN_ROWS, LaunchedDrafts
 from blockdraft.spec_decode.speculator import build_speculator
@@ -111,8 +112,26 @@ class LLMEngine:
         """Captures the uniform steps' graphs (blockdraft/engine/cuda_graphs.py)."""
         t0 = time.perf_counter()
         max_blocks = max_blocks_per_seq(self.max_model_len, self.lookahead, self.config.block_size)
-        capture_graphs(self.runner, self.proposer, self.draft_schedule, batch_sizes, max_blocks)
+        ring = self._feature_ring(max(batch_sizes))
+        capture_graphs(
+            self.runner, self.proposer, self.draft_schedule, batch_sizes, max_blocks, ring
+        )
+        self.runner.feature_ring = ring
+        if self.draft_launcher is not None:
+            self.draft_launcher.feature_ring = ring
         self.capture_time_s = time.perf_counter() - t0
+
+    def _feature_ring(self, max_batch: int) -> FeatureRing | None:
+        """Where the decode graphs keep the features of steps whose drafter context waits (as
+        many rows as may wait, and a batch): None when none waits."""
+        if self.draft_launcher is None or not self.draft_launcher.defer_context:
+            return None
+        model = self.model
+        width = model.cfg.hidden_size * len(model.capture_layer_ids)
+        dtype = self.config.torch_dtype
+        row_bytes = width * dtype.itemsize
+        capacity = self.draft_launcher.deferred_row_limit(row_bytes) + max_batch
+        return FeatureRing(capacity, width, max_batch, dtype, self.device)
 
     @under_kernel_policy
     def warm_up(self) -> None:
@@ -335,7 +354,8 @@ class LLMEngine:
     def decode_ahead_launched(self, step: LaunchedStep) -> None:
         """`DecodeAheadHooks`: keeps the step's rows for the drafter's deferred context."""
         self.next_num_drafts = None
-        self.apply_window_updates(self._take_window_updates())
+        if self.block_manager.window_pages is not None:
+            self.apply_window_updates(self._take_window_updates())
         # A block reserved for the step may hold deferred rows: they are written first.
         chunks = step.chunks
         self.draft_launcher.defer_decode_rows(
@@ -343,6 +363,7 @@ class LLMEngine:
             [c.start for c in chunks],
             [c.seq.block_table for c in chunks],
             self.deferred_rows_may_be_overwritten(),
+            step.feature_ring_start,
         )
 
     def _async_decode_step(self) -> list[RequestOutput]:

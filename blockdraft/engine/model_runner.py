@@ -21,6 +21,7 @@ from blockdraft.layers.sampler import sample
 from blockdraft.models.llama import DecoderLM
 from blockdraft.runtime.commit_graphs import CommitGraphs
 from blockdraft.runtime.cuda_graph_runner import CUDAGraphRunner
+from blockdraft.runtime.feature_ring import FeatureRing
 from blockdraft.runtime.host_batch import (
     build_attention_metadata,
     flat_slots,
@@ -58,6 +59,9 @@ class LaunchedStep:
     # event after which they are there (None: they already are, off CUDA).
     readback: torch.Tensor | None  # [D + V * (N+1) + V] int64
     readback_ready: torch.cuda.Event | None
+    # Where a decode graph left the features in the drafter's feature ring (unwrapped row of
+    # the first request's; None: not there, an eager step or no ring).
+    feature_ring_start: int | None = None
 
     def target_step(self) -> TargetStep:
         """The step as the drafter sees it."""
@@ -75,6 +79,7 @@ class LaunchedStep:
             self.verify_tokens,
             self.num_accepted,
             self.features,
+            self.feature_ring_start,
         )
 
 
@@ -155,6 +160,8 @@ class ModelRunner:
         # captured graph per batch bucket on CUDA, blockdraft/engine/cuda_graphs.py).
         self.has_linear_state = hasattr(model, "commit_verified")
         self.commit_graphs: CommitGraphs | None = None
+        # Speculating with deferred context: the decode graphs keep their features here.
+        self.feature_ring: FeatureRing | None = None
 
     @torch.inference_mode()
     def launch(self, chunks: list[ScheduledChunk]) -> LaunchedStep:
@@ -177,6 +184,7 @@ class ModelRunner:
         hidden, features = self._forward(
             chunks, None if prepared is None else (prepared.draft_rows, prepared.drafts.flatten())
         )
+        ring_start = self._take_ring_start()
         sampled = verify_tokens = num_accepted = None
         if decode:
             sampled = self._sample(decode, [ends[i] for i in decode], chunks, hidden)
@@ -197,6 +205,7 @@ class ModelRunner:
             features,
             readback,
             ready,
+            ring_start,
         )
 
     @torch.inference_mode()
@@ -211,6 +220,7 @@ class ModelRunner:
         n = len(chunks)
         rows, positions = int64_tensors(self.device, list(range(n)), [c.start + 1 for c in chunks])
         hidden, features = self._forward(chunks, (rows, previous.sampled))
+        ring_start = self._take_ring_start()
         st = self.sampling.get([c.seq for c in chunks], positions)
         sampled = sample(self.model.compute_logits(hidden[rows]), st)
         readback, ready = start_readback(sampled)
@@ -226,7 +236,12 @@ class ModelRunner:
             features,
             readback,
             ready,
+            ring_start,
         )
+
+    def _take_ring_start(self) -> int | None:
+        """Where the forward just run left its features in the feature ring (None: not there)."""
+        return None if self.feature_ring is None else self.feature_ring.take_start()
 
     def _forward(
         self,

@@ -18,6 +18,7 @@ from blockdraft.kernels.forward_context import (
     build_linear_metadata,
     forward_context,
 )
+from blockdraft.runtime.feature_ring import FeatureRing
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -98,7 +99,11 @@ class CUDAGraphRunner:
         device: torch.device,
         pool: object | None = None,
         linear_state: bool = False,  # a hybrid target: its requests' state slots are inputs
+        feature_ring: FeatureRing | None = None,  # keeps each replay's features (decode graphs)
     ) -> None:
+        self.feature_ring = feature_ring
+        if feature_ring is not None:
+            forward = feature_ring.tapped(forward)
         self.forward, self.query_len, self.block_size = forward, query_len, block_size
         self.batch_sizes = sorted(batch_sizes)
         self.max_blocks = max_blocks_per_seq
@@ -163,6 +168,8 @@ class CUDAGraphRunner:
             # Kept alive: the graph reads the metadata's index tensors (a hybrid target's step
             # batch, built outside the capture) at their captured addresses on every replay.
             self.captured_meta[batch] = meta
+        if self.feature_ring is not None:  # the warm-up runs (and twins' first runs) tapped it
+            self.feature_ring.reset()
 
     def _eager(self, batch: int, args: tuple[torch.Tensor, torch.Tensor]) -> object:
         with forward_context(self._meta(batch)):
@@ -206,4 +213,6 @@ class CUDAGraphRunner:
             self.fresh[num_seqs:batch].fill_(False)
         graph, out = self.graphs[batch]
         graph.replay()
+        if self.feature_ring is not None:
+            self.feature_ring.replayed(batch)
         return out

@@ -36,6 +36,7 @@ import torch
 
 from blockdraft.kernels.dflash_inputs import DFlashInputs
 from blockdraft.kernels.host_tensors import int64_tensors
+from blockdraft.runtime.feature_ring import FeatureRing
 from blockdraft.runtime.host_batch import decode_slots, padded_block_tables
 from blockdraft.runtime.sampling_cache import SamplingRequest, SamplingTensorCache
 from blockdraft.spec_decode.drafts import DraftBatch, PendingDrafts
@@ -68,13 +69,15 @@ class TargetStep:
     verify_tokens: torch.Tensor | None  # [len(verify), N+1] int64, -1 past the bonus token
     num_accepted: torch.Tensor | None  # [len(verify)] int64 accepted drafts
     features: torch.Tensor  # [num_tokens, K * hidden] target features
+    feature_ring_start: int | None = None  # where a decode graph also left them (FeatureRing)
 
 
 @dataclass
 class DeferredContext:
     """Committed rows whose drafter context K/V is not written yet: rows of a step's context
     inputs (positions and slots on the device, PAD where not committed), and rows of plain
-    decode steps (one a request, positions and slots known on the host)."""
+    decode steps (one a request, positions and slots known on the host): their features
+    cloned (eager steps) or left in the feature ring by the decode graph (`ring_runs`)."""
 
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
     positions: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
@@ -82,6 +85,9 @@ class DeferredContext:
     decode_features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
     decode_positions: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)
+    ring_runs: list[tuple[int, int]] = field(default_factory=list)  # (first ring row, rows)
+    ring_positions: list[int] = field(default_factory=list)
+    ring_slots: list[int] = field(default_factory=list)
     num_rows: int = 0
     blocks: set[int] = field(default_factory=set)  # KV blocks the rows may lie in
 
@@ -95,28 +101,39 @@ class DeferredContext:
 
     def add_decode_rows(
         self,
-        features: torch.Tensor,  # [rows, K * hidden], one row a request
+        features: torch.Tensor | int,  # [rows, K * hidden], one row a request; or a ring row
         positions: list[int],  # [rows]
         slots: list[int],  # [rows]
         block_size: int,
     ) -> None:
-        self.decode_features.append(features.clone())
-        self.decode_positions += positions
-        self.decode_slots += slots
-        self.num_rows += len(slots)
+        """`features` as a tensor (copied) or as the unwrapped feature ring row of the first."""
+        rows = len(slots)
+        if isinstance(features, int):
+            self.ring_runs.append((features, rows))
+            self.ring_positions += positions
+            self.ring_slots += slots
+        else:
+            self.decode_features.append(features.clone())
+            self.decode_positions += positions
+            self.decode_slots += slots
+        self.num_rows += rows
         self.blocks.update([slot // block_size for slot in slots])
 
     def tensors(
-        self, device: torch.device
+        self, device: torch.device, ring: FeatureRing | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # features, positions, slots
-        """Every row: those of context inputs, then those of decode steps."""
+        """Every row: those of context inputs, then those of decode steps, then those left in
+        the feature `ring`."""
         positions, slots = list(self.positions), list(self.slots)
-        if self.decode_positions:
-            decode = int64_tensors(device, self.decode_positions, self.decode_slots)
+        features = self.features + self.decode_features
+        if self.ring_runs:
+            features.append(ring.gather(self.ring_runs))
+        host_positions = self.decode_positions + self.ring_positions
+        if host_positions:
+            decode = int64_tensors(device, host_positions, self.decode_slots + self.ring_slots)
             positions.append(decode[0])
             slots.append(decode[1])
-        features = torch.cat(self.features + self.decode_features)
-        return features, torch.cat(positions), torch.cat(slots)
+        return torch.cat(features), torch.cat(positions), torch.cat(slots)
 
 
 @dataclass
@@ -141,24 +158,31 @@ class DraftLauncher:
         self.proposer, self.sampling, self.device = proposer, sampling, device
         self.defer_context = defer_context
         self.deferred = DeferredContext()
+        # Where the target's decode graphs keep their features (set with the graphs).
+        self.feature_ring: FeatureRing | None = None
         # Rows deferred at most besides DEFERRED_CONTEXT_MAX_BYTES of features (None: no other
         # bound). A drafter with a sliding window sets its window less a block: older rows'
         # pages may be reused.
         self.max_deferred_rows: int | None = None
 
-    def _fits(self, features: torch.Tensor, rows: int) -> bool:
-        """Whether `rows` more rows of `features`' width may wait with those deferred."""
-        row_bytes = features.shape[-1] * features.element_size()
+    def deferred_row_limit(self, row_bytes: int) -> int:
+        """How many rows of features of `row_bytes` bytes each may wait at most."""
         limit = max(DEFERRED_CONTEXT_MIN_ROWS, DEFERRED_CONTEXT_MAX_BYTES // row_bytes)
         if self.max_deferred_rows is not None:
             limit = min(limit, self.max_deferred_rows)
-        return self.deferred.num_rows + rows <= limit
+        return limit
+
+    def _fits(self, features: torch.Tensor, rows: int) -> bool:
+        """Whether `rows` more rows of `features`' width may wait with those deferred."""
+        row_bytes = features.shape[-1] * features.element_size()
+        return self.deferred.num_rows + rows <= self.deferred_row_limit(row_bytes)
 
     def write_deferred(self) -> None:
         """Writes the deferred context rows in one pass (nothing when none wait)."""
         if not self.deferred.num_rows:
             return
-        self.proposer.drafter.write_context(*self.deferred.tensors(self.device))
+        deferred = self.deferred.tensors(self.device, self.feature_ring)
+        self.proposer.drafter.write_context(*deferred)
         self.deferred = DeferredContext()
 
     def defer_decode_rows(
@@ -167,6 +191,7 @@ class DraftLauncher:
         positions: list[int],  # [rows] each request's one row
         block_tables: list[list[int]],  # [rows]
         write_deferred_first: bool = False,
+        ring_start: int | None = None,  # where the decode graph left the features (FeatureRing)
     ) -> None:
         """Keeps a plain decode step's rows (one a request, its position and slot known on the
         host) for the deferred write; builds no drafter inputs. Called every step of a batch
@@ -177,7 +202,16 @@ class DraftLauncher:
             self.write_deferred()
         size = self.proposer.block_size
         slots = decode_slots(block_tables, positions, size)
-        self.deferred.add_decode_rows(features[:rows], positions, slots, size)
+        kept = features[:rows] if ring_start is None else ring_start
+        self.deferred.add_decode_rows(kept, positions, slots, size)
+        self._write_before_the_ring_wraps()
+
+    def _write_before_the_ring_wraps(self) -> None:
+        """Writes the deferred rows when the feature ring's next replay could overwrite some:
+        after every step that may have replayed a decode graph."""
+        runs = self.deferred.ring_runs
+        if runs and self.feature_ring.would_overwrite(runs[0][0]):
+            self.write_deferred()
 
     def _blocks_written(self, step: TargetStep) -> set[int]:
         """The KV blocks `step`'s rows lie in (a verify's rejected rows' too)."""
@@ -204,7 +238,11 @@ class DraftLauncher:
             # decode: no drafter inputs (on one CPU thread they cost a tiny target's
             # never-drafting step ~0.2 ms over plain decoding's).
             self.defer_decode_rows(
-                step.features, step.starts, step.block_tables, write_deferred_first
+                step.features,
+                step.starts,
+                step.block_tables,
+                write_deferred_first,
+                step.feature_ring_start,
             )
             return None
         if not defer or write_deferred_first or not self._fits(step.features, rows):

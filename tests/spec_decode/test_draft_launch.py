@@ -262,19 +262,17 @@ def test_deferred_context_waits_up_to_its_bytes_and_the_window_bound() -> None:
     """Deferred rows wait until DEFERRED_CONTEXT_MAX_BYTES of features (never fewer than
     DEFERRED_CONTEXT_MIN_ROWS rows), and at most `max_deferred_rows` where a windowed drafter
     sets it."""
-    from types import SimpleNamespace
-
     from blockdraft.spec_decode.draft_launch import (
         DEFERRED_CONTEXT_MAX_BYTES,
         DEFERRED_CONTEXT_MIN_ROWS,
+        DeferredContext,
         DraftLauncher,
     )
 
     def fits(width: int, dtype: torch.dtype, waiting: int, rows: int, cap: int | None) -> bool:
-        launcher = SimpleNamespace(
-            max_deferred_rows=cap, deferred=SimpleNamespace(num_rows=waiting)
-        )
-        return DraftLauncher._fits(launcher, torch.empty(1, width, dtype=dtype), rows)
+        launcher = DraftLauncher(None, None, torch.device("cpu"))
+        launcher.max_deferred_rows, launcher.deferred = cap, DeferredContext(num_rows=waiting)
+        return launcher._fits(torch.empty(1, width, dtype=dtype), rows)
 
     smollm2 = DEFERRED_CONTEXT_MAX_BYTES // (5 * 576 * 2)  # 5 target layers of 576, bf16
     assert smollm2 > 10_000

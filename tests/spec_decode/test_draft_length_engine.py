@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
+from blockdraft.spec_decode.draft_launch import DeferredContext
 from blockdraft.spec_decode.draft_length import CALIBRATION_STEPS, INITIAL_ALPHA
 
 from sampling_checks import assert_same_token_law, seeded_samples
@@ -206,6 +207,57 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined
         # read of their blocks.
         llm.engine.draft_launcher.write_deferred()
         layers = llm.engine.proposer.drafter.attention_layers
+        caches = [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
+        runs.append((picks, [o.spec_accept_lengths for o in out], caches))
+    (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = runs
+    assert picks == eager_picks and picks.count(0) > 5
+    assert accepted == eager_accepted
+    for got, expected in zip(caches, eager_caches, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async-decode"])
+@pytest.mark.parametrize("ring", ["roomy", "wrapping"])
+def test_context_the_decode_graphs_keep_equals_eager_context(
+    pairs, rng, monkeypatch, ring: str, pipelined: bool
+) -> None:
+    """With decode graphs (eager twins here) the features of steps at N = 0 wait in the feature
+    ring, copied there by the graphs themselves, not by the host: the drafter cache and
+    acceptance equal writing every step's context at once, also with a ring so small that it
+    wraps many times (14 rows; the rows are written before a replay could overwrite them) and
+    a batch that pads its graph (3 requests replay the graph of 4)."""
+    target, drafter = pairs["random"]
+    prompts = random_prompts(target, rng, 3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    seed = int(torch.randint(0, 2**31, (1,), generator=rng))
+    runs = []
+    for defer in (True, False):
+        llm = auto_llm(drafter, target, async_decode=pipelined and defer)
+        engine, launcher = llm.engine, llm.engine.draft_launcher
+        launcher.defer_context = defer
+        if ring == "wrapping":
+            launcher.max_deferred_rows = 6  # a ring of 6 + 8 rows (the largest graph's batch)
+        engine.capture_graphs([1, 2, 4, 8])
+        launcher.max_deferred_rows = None  # only the ring's room bounds the rows waiting
+        picks = choose_in_runs(llm, random.Random(seed))
+        kept: list[type] = []  # how each decode step's features were kept
+
+        def spy(self, features, *args, add_rows=DeferredContext.add_decode_rows, kept=kept):
+            kept.append(type(features))
+            return add_rows(self, features, *args)
+
+        monkeypatch.setattr(DeferredContext, "add_decode_rows", spy)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        monkeypatch.undo()
+        if defer:
+            feature_ring = launcher.feature_ring
+            assert kept and set(kept) == {int}, kept  # every decode step's rows in the ring
+            laps = feature_ring.num_written / feature_ring.capacity
+            assert laps > 3 if ring == "wrapping" else 0 < laps < 1, laps
+        else:
+            assert launcher.feature_ring is None and not kept
+        launcher.write_deferred()
+        layers = engine.proposer.drafter.attention_layers
         caches = [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
         runs.append((picks, [o.spec_accept_lengths for o in out], caches))
     (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = runs
