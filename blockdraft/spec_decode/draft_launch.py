@@ -18,7 +18,8 @@ decoding costs: the drafter's projections of one row each step are weight-bound,
 batched write of many rows reads the same weights once. Under async decode such steps are
 launched one ahead like an engine without a drafter's (blockdraft/engine/async_decode.py);
 theirs and any plain decode step's rows are kept from the host's positions and slots (one row
-a request), with no drafter inputs built.
+a request), with no drafter inputs built, and their features where the decode graph itself
+copied them (blockdraft/runtime/feature_ring.py): such a step keeps no tensor of its own.
 Deferred rows are written before any later context write and before any drafter forward (the
 only reader), and before rows of a block they lie in are deferred for its next owner (a
 finished request's freed block taken by another request), so the cache ends as if written at
