@@ -172,6 +172,25 @@ def count_calls(obj: object, name: str) -> list[int]:
     return calls
 
 
+def written_drafter_cache(llm: LLM) -> list[torch.Tensor]:
+    """The drafter's K/V caches with the rows still deferred written (as the next launch
+    writes them, before any read of their blocks)."""
+    llm.engine.draft_launcher.write_deferred()
+    layers = llm.engine.proposer.drafter.attention_layers
+    return [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
+
+
+def assert_deferred_run_equals_eager_run(deferred: tuple, eager: tuple) -> None:
+    """(picks, acceptance lengths, drafter caches) of a run deferring its context at N = 0
+    and of one writing it every step: the same random N, at least 6 zeros, and the same
+    outcome."""
+    (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = deferred, eager
+    assert picks == eager_picks and picks.count(0) > 5
+    assert accepted == eager_accepted
+    for got, expected in zip(caches, eager_caches, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 # Two requests at a time in a pool that reuses the blocks of finished ones for the next.
 DEFERRED_SETUPS = {
     **SETUPS,
@@ -203,17 +222,8 @@ def test_deferred_context_equals_eager_context(pairs, rng, setup: str, pipelined
         ahead = count_calls(llm.engine, "decode_ahead_launched")  # N = 0 steps launched ahead
         out = llm.generate(prompts, params, use_tqdm=False)
         assert (len(ahead) > 0) == (pipelined and defer)
-        # Rows still deferred after the last step are written by the next launch, before any
-        # read of their blocks.
-        llm.engine.draft_launcher.write_deferred()
-        layers = llm.engine.proposer.drafter.attention_layers
-        caches = [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
-        runs.append((picks, [o.spec_accept_lengths for o in out], caches))
-    (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = runs
-    assert picks == eager_picks and picks.count(0) > 5
-    assert accepted == eager_accepted
-    for got, expected in zip(caches, eager_caches, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        runs.append((picks, [o.spec_accept_lengths for o in out], written_drafter_cache(llm)))
+    assert_deferred_run_equals_eager_run(*runs)
 
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async-decode"])
@@ -256,15 +266,8 @@ def test_context_the_decode_graphs_keep_equals_eager_context(
             assert laps > 3 if ring == "wrapping" else 0 < laps < 1, laps
         else:
             assert launcher.feature_ring is None and not kept
-        launcher.write_deferred()
-        layers = engine.proposer.drafter.attention_layers
-        caches = [c.clone() for a in layers for c in (a.key_cache, a.value_cache)]
-        runs.append((picks, [o.spec_accept_lengths for o in out], caches))
-    (picks, accepted, caches), (eager_picks, eager_accepted, eager_caches) = runs
-    assert picks == eager_picks and picks.count(0) > 5
-    assert accepted == eager_accepted
-    for got, expected in zip(caches, eager_caches, strict=True):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        runs.append((picks, [o.spec_accept_lengths for o in out], written_drafter_cache(llm)))
+    assert_deferred_run_equals_eager_run(*runs)
 
 
 @pytest.mark.parametrize("pool", ["roomy", "reused"])
@@ -303,9 +306,7 @@ def test_finished_requests_deferred_context_waits_until_its_blocks_pass_on(
                 assert writes == [] and engine.draft_launcher.deferred.num_rows == sum(rows)
             else:  # once: when the second request (growing) takes a block of the first's
                 assert len(writes) == 1 and rows[0] < writes[0] < sum(rows), writes
-        engine.draft_launcher.write_deferred()
-        layers = engine.proposer.drafter.attention_layers
-        runs.append([c.clone() for a in layers for c in (a.key_cache, a.value_cache)])
+        runs.append(written_drafter_cache(llm))
     for got, expected in zip(*runs, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
