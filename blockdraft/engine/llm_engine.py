@@ -338,7 +338,7 @@ class LLMEngine:
             self.frees_seen = bm.num_frees
             return freed
         taken, bm.reallocated = bm.reallocated, set()
-        return not taken.isdisjoint(self.draft_launcher.deferred.blocks)
+        return self.draft_launcher.deferred_rows_lie_in(taken)
 
     def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
         """`DecodeAheadHooks`: the next step may be launched ahead when it drafts nothing and

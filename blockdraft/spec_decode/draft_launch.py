@@ -77,20 +77,23 @@ class TargetStep:
 class DeferredContext:
     """Committed rows whose drafter context K/V is not written yet: rows of a step's context
     inputs (positions and slots on the device, PAD where not committed), and rows of plain
-    decode steps (one a request, positions and slots known on the host): their features
-    cloned (eager steps) or left in the feature ring by the decode graph (`ring_runs`)."""
+    decode steps (one a request) as the host has them: positions and block tables (a table
+    only grows while its request holds it; a freed request gets a new list), whose slots and
+    blocks are worked out only when the rows are written or checked, and features cloned
+    (eager steps) or left in the feature ring by the decode graph."""
 
     features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
     positions: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
     slots: list[torch.Tensor] = field(default_factory=list)  # [rows] int64 each
-    decode_features: list[torch.Tensor] = field(default_factory=list)  # [rows, K * hidden] each
-    decode_positions: list[int] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)
-    ring_runs: list[tuple[int, int]] = field(default_factory=list)  # (first ring row, rows)
-    ring_positions: list[int] = field(default_factory=list)
-    ring_slots: list[int] = field(default_factory=list)
+    blocks: set[int] = field(default_factory=set)  # KV blocks the rows may lie in (`lies_in`)
+    # (features [rows, K * hidden] or the unwrapped feature ring row of the first, positions
+    # [rows], block tables [rows]) of each decode step
+    decode_steps: list[tuple[torch.Tensor | int, list[int], list[list[int]]]] = field(
+        default_factory=list
+    )
+    first_ring_row: int | None = None  # of the first decode step whose features the ring holds
     num_rows: int = 0
-    blocks: set[int] = field(default_factory=set)  # KV blocks the rows may lie in
+    blocks_seen: int = 0  # decode steps whose blocks `blocks` holds
 
     def add(self, features: torch.Tensor, inputs: DFlashInputs, blocks: set[int]) -> None:
         # Copies: the features and index buffers are reused by the next step.
@@ -102,36 +105,46 @@ class DeferredContext:
 
     def add_decode_rows(
         self,
-        features: torch.Tensor | int,  # [rows, K * hidden], one row a request; or a ring row
+        features: torch.Tensor | int,  # [rows, K * hidden] (copied), or a ring row (FeatureRing)
         positions: list[int],  # [rows]
-        slots: list[int],  # [rows]
-        block_size: int,
+        block_tables: list[list[int]],  # [rows]
     ) -> None:
-        """`features` as a tensor (copied) or as the unwrapped feature ring row of the first."""
-        rows = len(slots)
         if isinstance(features, int):
-            self.ring_runs.append((features, rows))
-            self.ring_positions += positions
-            self.ring_slots += slots
+            if self.first_ring_row is None:
+                self.first_ring_row = features
         else:
-            self.decode_features.append(features.clone())
-            self.decode_positions += positions
-            self.decode_slots += slots
-        self.num_rows += rows
-        self.blocks.update([slot // block_size for slot in slots])
+            features = features.clone()
+        self.decode_steps.append((features, positions, block_tables))
+        self.num_rows += len(positions)
+
+    def lies_in(self, blocks: set[int], block_size: int) -> bool:
+        """Whether some row may lie in one of `blocks`. The decode steps' blocks are added to
+        `blocks` here, each step's once: nothing a step while no block changes hands."""
+        if not blocks:
+            return False
+        for _, positions, tables in self.decode_steps[self.blocks_seen :]:
+            self.blocks.update([t[p // block_size] for p, t in zip(positions, tables, strict=True)])
+        self.blocks_seen = len(self.decode_steps)
+        return not blocks.isdisjoint(self.blocks)
 
     def tensors(
-        self, device: torch.device, ring: FeatureRing | None
+        self, device: torch.device, ring: FeatureRing | None, block_size: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # features, positions, slots
-        """Every row: those of context inputs, then those of decode steps, then those left in
-        the feature `ring`."""
+        """Every row: those of context inputs, then those of decode steps with features of
+        their own, then those whose features the feature `ring` holds."""
         positions, slots = list(self.positions), list(self.slots)
-        features = self.features + self.decode_features
-        if self.ring_runs:
-            features.append(ring.gather(self.ring_runs))
-        host_positions = self.decode_positions + self.ring_positions
-        if host_positions:
-            decode = int64_tensors(device, host_positions, self.decode_slots + self.ring_slots)
+        cloned = [step for step in self.decode_steps if not isinstance(step[0], int)]
+        in_ring = [step for step in self.decode_steps if isinstance(step[0], int)]
+        features = self.features + [f for f, _, _ in cloned]
+        if in_ring:
+            features.append(ring.gather([(start, len(rows)) for start, rows, _ in in_ring]))
+        if self.decode_steps:
+            steps = cloned + in_ring
+            decode = int64_tensors(
+                device,
+                [p for _, rows, _ in steps for p in rows],
+                [s for _, rows, tables in steps for s in decode_slots(tables, rows, block_size)],
+            )
             positions.append(decode[0])
             slots.append(decode[1])
         return torch.cat(features), torch.cat(positions), torch.cat(slots)
@@ -182,7 +195,7 @@ class DraftLauncher:
         """Writes the deferred context rows in one pass (nothing when none wait)."""
         if not self.deferred.num_rows:
             return
-        deferred = self.deferred.tensors(self.device, self.feature_ring)
+        deferred = self.deferred.tensors(self.device, self.feature_ring, self.proposer.block_size)
         self.proposer.drafter.write_context(*deferred)
         self.deferred = DeferredContext()
 
@@ -201,18 +214,18 @@ class DraftLauncher:
         rows = len(positions)
         if write_deferred_first or not self._fits(features, rows):
             self.write_deferred()
-        size = self.proposer.block_size
-        slots = decode_slots(block_tables, positions, size)
-        kept = features[:rows] if ring_start is None else ring_start
-        self.deferred.add_decode_rows(kept, positions, slots, size)
-        self._write_before_the_ring_wraps()
+        deferred = self.deferred
+        if ring_start is None:
+            deferred.add_decode_rows(features[:rows], positions, block_tables)
+        else:
+            deferred.add_decode_rows(ring_start, positions, block_tables)
+            # Before the next replay could wrap onto rows kept.
+            if self.feature_ring.would_overwrite(deferred.first_ring_row):
+                self.write_deferred()
 
-    def _write_before_the_ring_wraps(self) -> None:
-        """Writes the deferred rows when the feature ring's next replay could overwrite some:
-        after every step that may have replayed a decode graph."""
-        runs = self.deferred.ring_runs
-        if runs and self.feature_ring.would_overwrite(runs[0][0]):
-            self.write_deferred()
+    def deferred_rows_lie_in(self, blocks: set[int]) -> bool:
+        """Whether a deferred row may lie in one of `blocks` (KV blocks)."""
+        return self.deferred.lies_in(blocks, self.proposer.block_size)
 
     def _blocks_written(self, step: TargetStep) -> set[int]:
         """The KV blocks `step`'s rows lie in (a verify's rejected rows' too)."""
