@@ -337,7 +337,10 @@ class LLMEngine:
             freed = self.blocks_freed_unseen
             self.frees_seen = bm.num_frees
             return freed
-        taken, bm.reallocated = bm.reallocated, set()
+        taken = bm.reallocated
+        if not taken:  # most steps: nothing changed hands
+            return False
+        bm.reallocated = set()
         return self.draft_launcher.deferred_rows_lie_in(taken)
 
     def allow_decode_ahead(self, seqs: list[Sequence]) -> bool:
