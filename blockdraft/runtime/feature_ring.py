@@ -33,11 +33,11 @@ class FeatureRing:
         if capacity <= max_batch:
             raise ValueError(f"a ring of {capacity} rows cannot take a batch of {max_batch}")
         self.capacity, self.max_batch = capacity, max_batch
-        i64 = dict(dtype=torch.int64, device=device)
-        self.next_row = torch.zeros((), **i64)  # the device's counter, unwrapped
-        self.offsets = torch.arange(max_batch, **i64)  # [max_batch]
+        # [max_batch] the ring rows a next replay writes: the device's counter (+ 0, 1, ...,
+        # wrapped), advanced in place by each replay (two launches besides the copy).
+        self.next_rows = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.rows = torch.empty(capacity, width, dtype=dtype, device=device)  # [capacity, width]
-        self.num_written = 0  # the host's mirror of next_row
+        self.num_written = 0  # the host's mirror of the counter, unwrapped
         self._last_start: int | None = None  # unwrapped row of the last replay's first row
 
     def tapped(self, forward: ForwardFn) -> ForwardFn:
@@ -48,16 +48,15 @@ class FeatureRing:
             out = forward(input_ids, positions)
             features = out[1]  # [batch, K * hidden]
             batch = features.shape[0]
-            dest = (self.next_row + self.offsets[:batch]) % self.capacity  # [batch]
-            self.rows.index_copy_(0, dest, features)
-            self.next_row += batch
+            self.rows.index_copy_(0, self.next_rows[:batch], features)
+            self.next_rows.add_(batch).remainder_(self.capacity)
             return out
 
         return forward_and_keep
 
     def reset(self) -> None:
         """Forgets the rows written so far (a capture's warm-up runs): counter and mirror at 0."""
-        self.next_row.zero_()
+        torch.arange(self.max_batch, out=self.next_rows)
         self.num_written, self._last_start = 0, None
 
     def replayed(self, batch: int) -> None:

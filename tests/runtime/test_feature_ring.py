@@ -29,7 +29,8 @@ def test_the_mirror_finds_each_replays_rows_across_wraps(rng) -> None:
         assert runs, "the last replay's rows always fit"
         torch.testing.assert_close(ring.gather(runs), torch.cat(expected))
     assert ring.num_written > capacity
-    assert int(ring.next_row) == ring.num_written  # the device's counter, mirrored
+    # The device's counter, mirrored.
+    assert ring.next_rows.tolist() == [(ring.num_written + i) % capacity for i in range(max_batch)]
 
 
 def test_would_overwrite_is_exact() -> None:
@@ -40,7 +41,8 @@ def test_would_overwrite_is_exact() -> None:
     ring.replayed(2)  # 0..7; a next one may reach 10 (= row 0 again)
     assert ring.would_overwrite(0) and not ring.would_overwrite(1)
     ring.reset()
-    assert ring.num_written == 0 and int(ring.next_row) == 0 and ring.take_start() is None
+    assert ring.num_written == 0 and ring.take_start() is None
+    assert ring.next_rows.tolist() == [0, 1, 2]
 
 
 def test_a_ring_must_hold_more_than_a_batch() -> None:
