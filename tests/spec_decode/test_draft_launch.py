@@ -283,3 +283,30 @@ def test_deferred_context_waits_up_to_its_bytes_and_the_window_bound() -> None:
     assert not fits(huge, torch.float32, DEFERRED_CONTEXT_MIN_ROWS, 1, None)
     assert fits(5 * 576, torch.bfloat16, 2000, 32, 2032)
     assert not fits(5 * 576, torch.bfloat16, 2001, 32, 2032)
+
+
+def test_deferred_decode_rows_find_their_blocks_and_slots_when_asked(rng) -> None:
+    """Decode steps' rows are kept as positions and block tables: `lies_in` finds the blocks
+    of rows added after an earlier look, and the write gets each row's slot from the table it
+    was kept with, even after the request's table was replaced (freed, preempted)."""
+    from blockdraft.spec_decode.draft_launch import DeferredContext
+
+    size, deferred = 4, DeferredContext()
+    blocks = torch.randperm(64, generator=rng)[:12].tolist()
+    tables = [blocks[:6], blocks[6:]]  # two requests' (distinct blocks)
+    steps = [[6, 17], [7, 18], [8, 19]]  # their positions, step by step
+    for positions in steps[:2]:
+        deferred.add_decode_rows(torch.randn(2, 3, generator=rng), positions, list(tables))
+    assert deferred.lies_in({tables[1][4]}, size)  # positions 17 and 18: block 4
+    assert not deferred.lies_in({tables[0][2], tables[1][3]}, size)  # none kept there yet
+    deferred.add_decode_rows(torch.randn(2, 3, generator=rng), steps[2], list(tables))
+    assert deferred.lies_in({tables[0][2]}, size)  # position 8, kept after the last look
+    assert not deferred.lies_in(set(), size)
+    kept = [list(t) for t in tables]
+    tables[0] = []  # a freed request gets a new table; its rows keep the old one
+    features, positions, slots = deferred.tensors(torch.device("cpu"), None, size)
+    assert positions.tolist() == [p for step in steps for p in step]
+    assert slots.tolist() == [
+        kept[i][p // size] * size + p % size for step in steps for i, p in enumerate(step)
+    ]
+    assert features.shape == (6, 3)
