@@ -120,11 +120,17 @@ def norm_linear(
     residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream
     weight: torch.Tensor,  # [out_features, hidden]
     bias: torch.Tensor | None,  # [out_features]
+    stream_out: torch.Tensor | None = None,  # [num_tokens, hidden] view, unit column stride
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (linear(norm(x + residual)), x + residual)
-    """`norm` (with its residual add) and the skinny GEMM after it, in one kernel."""
+    """`norm` (with its residual add) and the skinny GEMM after it, in one kernel; the stream
+    x + residual is written to `stream_out` when given (`norm.input_norm`)."""
     if residual is None:
+        if stream_out is not None:
+            stream_out.copy_(x)
         return skinny_linear(x, weight, bias, rms_norm=(norm.weight, norm.eps)), x
-    stream = torch.empty_like(x, memory_format=torch.contiguous_format)
+    stream = stream_out
+    if stream is None:
+        stream = torch.empty_like(x, memory_format=torch.contiguous_format)
     out = skinny_linear(
         x, weight, bias, rms_norm=(norm.weight, norm.eps), residual=residual, residual_out=stream
     )

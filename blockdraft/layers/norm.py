@@ -31,6 +31,23 @@ def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor
     return x if residual is None else x + residual
 
 
+def input_norm(
+    norm: RMSNorm | OffsetRMSNorm,
+    x: torch.Tensor,  # [num_tokens, hidden], the previous layer's output (or the input)
+    residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream
+    stream_out: torch.Tensor | None = None,  # [num_tokens, hidden] view, unit column stride
+) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
+    """A pre-norm layer's input norm with the residual add before it; `stream_out` also gets
+    the stream x + residual (the previous layer's output, kept as DFlash target features)."""
+    if residual is None:
+        h, residual = norm(x), x
+    else:
+        h, residual = norm(x, residual)
+    if stream_out is not None:
+        stream_out.copy_(residual)
+    return h, residual
+
+
 def final_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """`norm(x + residual)`, the last layer's residual add fused into the final norm."""
     return norm(x) if residual is None else norm(x, residual)[0]

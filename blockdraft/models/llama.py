@@ -17,7 +17,7 @@ from blockdraft.kernels.forward_context import current_attention_metadata
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.linear import linear, norm_linear, norm_prologue_fits
 from blockdraft.layers.mlp import MLP
-from blockdraft.layers.norm import RMSNorm, final_norm, layer_output
+from blockdraft.layers.norm import RMSNorm, final_norm, input_norm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.layers.self_attention import SelfAttention
 from blockdraft.layers.vocab_parallel import embedding, gather_logits, lm_head
@@ -64,23 +64,23 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden], the previous layer's MLP output (or the input)
         positions: torch.Tensor,  # [num_tokens] int64
         residual: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x is the stream
+        stream_out: torch.Tensor | None = None,  # [num_tokens, hidden] view, unit column stride
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
         """Pre-norm block whose output `mlp_out + residual` is left unsummed: each residual add
         is fused into the norm after it (one kernel on the Triton path), the last one into the
-        next layer's input norm or the final norm. `layer_output` sums it where it is needed."""
+        next layer's input norm or the final norm. `layer_output` sums it where it is needed;
+        `stream_out` gets this layer's input stream (the previous layer's output) from the
+        input norm's add."""
         if self._norms_fuse(x, residual):
             # Each norm formed in the loads of the skinny GEMM after it: same outputs and stream.
             attn, mlp = self.self_attn, self.mlp
-            qkv, residual = norm_linear(self.input_layernorm, x, residual, *attn._qkv)
+            qkv, residual = norm_linear(self.input_layernorm, x, residual, *attn._qkv, stream_out)
             h = attn.attend(qkv, positions)
             gate_up, residual = norm_linear(
                 self.post_attention_layernorm, h, residual, *mlp._gate_up
             )
             return mlp.down_gate_up(gate_up), residual
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = input_norm(self.input_layernorm, x, residual, stream_out)
         h = self.self_attn(h, positions)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -147,26 +147,36 @@ class DecoderLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (final hidden [num_tokens, hidden], features [num_tokens, K*hidden] or None)."""
         x, residual = self.model.embed_tokens(input_ids), None
-        captured = {}
         meta = current_attention_metadata()
         after_layer = None if meta is None else meta.after_layer
+        hidden, ids = self.cfg.hidden_size, self.capture_layer_ids
+        # Each captured layer's output lands in its slice of `features` from the next layer's
+        # input norm, which sums it anyway (on the decode path inside the skinny GEMM): no add
+        # and no concatenation of its own.
+        features = x.new_empty(x.shape[0], len(ids) * hidden) if ids else None
+        stream_out = None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, positions, residual)
+            if stream_out is None:
+                x, residual = layer(x, positions, residual)
+            else:
+                x, residual = layer(x, positions, residual, stream_out)
             if after_layer is not None:
                 after_layer(i)
-            if i in self.capture_layer_ids:
-                # Summed only where captured; elsewhere the add is fused into the next norm.
-                x, residual = layer_output(x, residual), None
-                captured[i] = x
+            stream_out = None
+            if i in ids:
+                j = ids.index(i)
+                stream_out = features[:, j * hidden : (j + 1) * hidden]
         x = final_norm(self.model.norm, x, residual)
-        last = len(self.model.layers) - 1
-        if last in captured:
-            # transformers' hidden_states tuple (what drafters are trained on) ends with the
-            # final-normed output, not the last layer's raw one.
-            captured[last] = x
-        features = (
-            torch.cat([captured[i] for i in self.capture_layer_ids], dim=-1) if captured else None
-        )
+        if stream_out is not None:
+            # The last layer is captured: transformers' hidden_states tuple (what drafters are
+            # trained on) ends with the final-normed output, not the last layer's raw one.
+            stream_out.copy_(x)
+        for j, i in enumerate(ids):  # a layer listed twice: its later slices copy the first
+            first = ids.index(i)
+            if first != j:
+                features[:, j * hidden : (j + 1) * hidden] = features[
+                    :, first * hidden : (first + 1) * hidden
+                ]
         return x, features
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> [R, V] fp32

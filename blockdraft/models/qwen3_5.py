@@ -22,7 +22,7 @@ from torch import nn
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
-from blockdraft.layers.norm import OffsetRMSNorm
+from blockdraft.layers.norm import OffsetRMSNorm, input_norm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.layers.vocab_parallel import embedding
 from blockdraft.models.llama import DecoderLM, MLPFactory, dense_mlp
@@ -126,12 +126,11 @@ class HybridDecoderLayer(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden], the previous layer's MLP output (or the input)
         positions: torch.Tensor,  # [num_tokens] int64
         residual: torch.Tensor | None = None,  # [num_tokens, hidden]; None: x is the stream
+        stream_out: torch.Tensor | None = None,  # [num_tokens, hidden] view, unit column stride
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
-        """Pre-norm block, its output left unsummed as in `llama.DecoderLayer`."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        """Pre-norm block, its output left unsummed as in `llama.DecoderLayer` (and its input
+        stream written to `stream_out` likewise)."""
+        h, residual = input_norm(self.input_layernorm, x, residual, stream_out)
         if self.layer_type == "linear_attention":
             h = self.linear_attn(h)
         else:

@@ -296,8 +296,9 @@ def test_decoder_fuses_norms_into_skinny(
 ) -> None:
     """With fuse_norm_into_skinny, a Qwen3-style model (q/k norms) with fused projections runs
     each layer's two add + norms in the q/k/v and gate/up GEMMs up to norm_prologue_max_rows rows,
-    bit for bit the unfused outputs (hidden states and captured features, whose layer outputs
-    sum the residual stream); past that, or with the flag off, nothing changes."""
+    bit for bit the unfused outputs (hidden states and captured features, which the next
+    layer's input norm writes); past that, or with the flag off, nothing changes. The features
+    are each captured layer's output (the final-normed one for the last layer)."""
     # Skinny up to 4 rows, its prologues up to norm_prologue_max_rows (2) only. The stub
     # below replaces the paged cache, so K/V take the separate store (the stub's no-op).
     policy = dict(
@@ -323,16 +324,25 @@ def test_decoder_fuses_norms_into_skinny(
     fuse_projections(lm)
     for layer in lm.model.layers:
         layer.self_attn.attn = StubAttention()
-    # Layer 0 starts the stream (no residual), layer 1 adds one, the capture after it sums the
-    # stream so that layer 2 starts afresh.
-    lm.capture_layer_ids = (1,)
+    # Layer 0 starts the stream (no residual), layers 1 and 2 add one; a capture has the next
+    # layer's input norm (or the final norm's copy) write the stream into its features.
+    # Listed in any order, a layer maybe twice (z-lab's default ids for a shallow target).
+    subsets = [(0,), (1,), (2,), (0, 2), (1, 2), (0, 1, 2), (1, 1, 1), (2, 0, 2)]
+    lm.capture_layer_ids = subsets[int(torch.randint(len(subsets), (1,), generator=rng))]
+    outputs = []
+    for layer in lm.model.layers:
+        layer.register_forward_hook(lambda m, i, out: outputs.append(out[0] + out[1]))
     for rows in [1, 2, 3, 5]:
         ids = torch.randint(0, cfg.vocab_size, (rows,), generator=rng).to(DEVICE)
         positions = torch.arange(rows, device=DEVICE)
         set_policy(**policy, fuse_norm_into_skinny=False)
+        outputs.clear()
         expected = lm(ids, positions)
+        captured = [outputs[i] if i < 2 else expected[0] for i in lm.capture_layer_ids]
+        assert torch.equal(expected[1], torch.cat(captured, dim=-1)), lm.capture_layer_ids
         set_policy(**policy, fuse_norm_into_skinny=fuse)
         calls.clear()
+        outputs.clear()
         got = lm(ids, positions)
         if rows > 4:
             assert calls == []
