@@ -9,6 +9,9 @@ runs eagerly (a smoke run: `--tiny`). The issue's goal: DFlash2 / DFlash <= 1.15
 H200, Qwen3-8B shapes (5 drafter layers, block 16, z-lab's published DFlash2 conv/selector
 fields):   python -m benchmarks.drafter_step_bench --shape qwen3-8b
 CPU smoke: python -m benchmarks.drafter_step_bench --tiny --steps 2 --batches 1 2
+
+`--fused-conv-projection` also times DFlash2 with `KernelPolicy.fuse_conv_projection` (each
+sub-block's kernel projection and opening convolution in one kernel): a column of its own.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from benchmarks.common import (
 )
 from benchmarks.shapes import SHAPES
 from blockdraft.engine.kv_cache import allocate_kv_cache
+from blockdraft.kernels.forward_context import use_kernel_policy
+from blockdraft.kernels.policy import KernelPolicy
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.layers.sampler import SamplingTensors
 from blockdraft.models.dflash_drafter import load_drafter
@@ -156,6 +161,11 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
         "--profile-batches", type=int, nargs="+", default=None, help="default: the smallest"
     )
     p.add_argument("--top", type=int, default=10, help="kernels listed by --profile")
+    p.add_argument(
+        "--fused-conv-projection",
+        action="store_true",
+        help="also DFlash2 with each sub-block's projection + convolution in one kernel",
+    )
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -178,37 +188,45 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
             drafter_dir, target_hf, max_positions, max(args.batches) * width, dtype, device
         )
 
-    for name, dflash2 in (("DFlash", None), ("DFlash2", fields)):
+    engines = [("DFlash", None, KernelPolicy()), ("DFlash2", fields, KernelPolicy())]
+    if args.fused_conv_projection:
+        engines.append(("DFlash2 fused", fields, KernelPolicy(fuse_conv_projection=True)))
+    for name, dflash2, policy in engines:
         drafter_dir = drafter_dirs[name] = write_dummy_drafter(
-            tmp / name, target_hf, layers, args.block, with_weights=False, dflash2=dflash2
-        )
-        proposer = make_proposer(drafter_dir)
-        for batch in sorted(args.batches, reverse=True):
-            proposer.graphs.clear()  # one graph per batch size
-            for temperature in args.temperatures:
-                times[name, batch, temperature] = step_ms(
-                    proposer, batch, num_drafts, args.context_len, temperature, args.steps
-                )
+            tmp / name.replace(" ", "_"), target_hf, layers, args.block, with_weights=False,
+            dflash2=dflash2,
+        )  # fmt: skip
+        with use_kernel_policy(policy):  # graphs are captured (and CPU steps run) under it
+            proposer = make_proposer(drafter_dir)
+            for batch in sorted(args.batches, reverse=True):
+                proposer.graphs.clear()  # one graph per batch size
+                for temperature in args.temperatures:
+                    times[name, batch, temperature] = step_ms(
+                        proposer, batch, num_drafts, args.context_len, temperature, args.steps
+                    )
         del proposer
         if device.type == "cuda":
             torch.cuda.empty_cache()
     # Profiles only after both drafters are timed: the profiler leaves CUPTI attached to the
     # process when it stops (pytorch/pytorch#144455), and what runs after it runs slower (an
     # engine timed after another's profile: 1.14 ms a step against 0.70 without, H100).
-    for name, drafter_dir in drafter_dirs.items() if args.profile and device.type == "cuda" else []:
-        proposer = make_proposer(drafter_dir)
-        for batch in args.profile_batches or [min(args.batches)]:
-            proposer.graphs.clear()
-            profiled += profile_step(proposer, name, batch, num_drafts, args.context_len, args.top)
+    for name, _, policy in engines if args.profile and device.type == "cuda" else []:
+        with use_kernel_policy(policy):
+            proposer = make_proposer(drafter_dirs[name])
+            for batch in args.profile_batches or [min(args.batches)]:
+                proposer.graphs.clear()
+                profiled += profile_step(
+                    proposer, name, batch, num_drafts, args.context_len, args.top
+                )
         del proposer
         torch.cuda.empty_cache()
+    others = [name for name, _, _ in engines[1:]]
     rows = [
-        [
-            batch,
-            f"{temperature:g}",
-            f"{times['DFlash', batch, temperature]:.3f}",
-            f"{times['DFlash2', batch, temperature]:.3f}",
-            f"{times['DFlash2', batch, temperature] / times['DFlash', batch, temperature]:.3f}",
+        [batch, f"{temperature:g}", f"{times['DFlash', batch, temperature]:.3f}"]
+        + [f"{times[name, batch, temperature]:.3f}" for name in others]
+        + [
+            f"{times[name, batch, temperature] / times['DFlash', batch, temperature]:.3f}"
+            for name in others
         ]
         for batch in args.batches
         for temperature in args.temperatures
@@ -217,7 +235,9 @@ def main(argv: list[str] | None = None) -> list[list[object]]:
     print_table(
         f"Drafter step, {label}, {layers} layers, block {args.block}, context "
         f"{args.context_len}, {device.type} {dtype} ({hardware()}); goal DFlash2/DFlash <= 1.15",
-        ["batch", "T", "DFlash ms", "DFlash2 ms", "DFlash2/DFlash"],
+        ["batch", "T", "DFlash ms"]
+        + [f"{name} ms" for name in others]
+        + [f"{name}/DFlash" for name in others],
         rows,
     )
     if profiled:

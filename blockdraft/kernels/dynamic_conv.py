@@ -5,7 +5,8 @@ o = 0 .. kernel_size - 1, where g is the group of the channel (`hidden / groups`
 and rows before the block's first are zero. Rows are flat `[num_blocks * block_len, hidden]`,
 each block its own sequence: nothing crosses a block boundary. `triton_dynamic_conv` computes
 the same in one launch, and `conv_rms_norm_torch` (the convolution closing a sub-block, then the
-next residual add + RMSNorm) in one launch too.
+next residual add + RMSNorm) in one launch too; `projected_dynamic_conv_torch` (the projection
+that predicts a sub-block's two dynamic kernels, then the opening convolution) in one more.
 """
 
 from __future__ import annotations
@@ -47,3 +48,16 @@ def conv_rms_norm_torch(
     dtype) added to the residual stream and normalised."""
     out = grouped_dynamic_causal_conv_torch(x, dynamic, base, block_len)
     return rms_norm_torch(out, norm_weight, eps, residual)
+
+
+def projected_dynamic_conv_torch(
+    x: torch.Tensor,  # [num_blocks * block_len, hidden]
+    weight: torch.Tensor,  # [2 * kernel_size * groups, hidden], the kernel projection
+    base: torch.Tensor,  # [kernel_size, hidden], the opening convolution's static kernel
+    block_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [rows, hidden], dynamic [rows, 2, kernel_size, G]
+    """A sub-block's opening: both dynamic kernels predicted from x (rounded to x's dtype), and
+    x convolved with the first."""
+    kernel_size = base.shape[0]
+    dynamic = F.linear(x, weight).view(x.shape[0], 2, kernel_size, -1)
+    return grouped_dynamic_causal_conv_torch(x, dynamic[:, 0], base, block_len), dynamic

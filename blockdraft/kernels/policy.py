@@ -66,6 +66,11 @@ class KernelPolicy:
     # (`triton_chunk_gated_delta_rule`) rather than its torch twin, a loop over the chunks'
     # sequences.
     triton_chunked_prefill: bool = True
+    # A DFlash2 drafter's sub-block opening (the kernel projection, then the convolution with
+    # its first dynamic kernel) in one kernel (`triton_projected_dynamic_conv`) instead of a
+    # GEMM and a convolution. Off until timed on a GPU (`drafter_step_bench.py
+    # --fused-conv-projection`).
+    fuse_conv_projection: bool = False
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps

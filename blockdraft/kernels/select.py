@@ -29,7 +29,11 @@ import torch
 
 from blockdraft.kernels.candidate_walk import candidate_walk_torch
 from blockdraft.kernels.dflash_inputs import prepare_dflash_inputs_torch
-from blockdraft.kernels.dynamic_conv import conv_rms_norm_torch, grouped_dynamic_causal_conv_torch
+from blockdraft.kernels.dynamic_conv import (
+    conv_rms_norm_torch,
+    grouped_dynamic_causal_conv_torch,
+    projected_dynamic_conv_torch,
+)
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_varlen_torch,
@@ -65,6 +69,7 @@ GatedDeltaNetVerifyFn = Callable[..., torch.Tensor]
 GatedDeltaNetCommitFn = Callable[..., None]
 CandidateWalkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ConvNormFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ProjectedConvFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 TopKFn = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 Fn = TypeVar("Fn")
@@ -305,6 +310,17 @@ def get_dynamic_conv_backend(device: torch.device | str | None = None) -> Dynami
 
         return triton_dynamic_conv.triton_grouped_dynamic_causal_conv
     return grouped_dynamic_causal_conv_torch
+
+
+def get_projected_conv_backend(device: torch.device | str | None = None) -> ProjectedConvFn:
+    """`fn(x, weight, base, block_len) -> (out, dynamic)`, DFlash2's kernel projection and
+    opening convolution (`blockdraft.kernels.dynamic_conv.projected_dynamic_conv_torch`); same
+    switch."""
+    if use_triton(device):
+        from blockdraft.kernels import triton_dynamic_conv
+
+        return triton_dynamic_conv.triton_projected_dynamic_conv
+    return projected_dynamic_conv_torch
 
 
 def get_candidate_walk_backend(device: torch.device | str | None = None) -> CandidateWalkFn:

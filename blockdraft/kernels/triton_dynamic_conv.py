@@ -5,6 +5,12 @@ only. The torch twin is about eight launches per call, four calls per DFlash2 dr
 `triton_conv_rms_norm` is `dynamic_conv.conv_rms_norm_torch`: a sub-block's closing convolution
 and the residual add + RMSNorm after it, one program per row, rounded as the two kernels
 (this one and `triton_rmsnorm`) round, so the result is theirs bit for bit in one launch.
+
+`triton_projected_dynamic_conv` is `dynamic_conv.projected_dynamic_conv_torch`: a sub-block's
+opening, the kernel projection and the convolution with its first kernel, in one launch instead
+of a GEMM (two with split-K) and a convolution. A channel's convolution needs only its own
+group's dynamic values, so each program projects a few groups' rows of the weight (both
+kernels) and convolves those groups' channels: no program waits on another.
 """
 
 from __future__ import annotations
@@ -95,6 +101,97 @@ def _conv_rms_norm_kernel(
     tl.store(out_ptr + row * hidden + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+# The projection only streams its weight: its groups are spread over about this many programs
+# (~ one per SM of an H100 / H200; a program takes at most the 16 projection columns of one
+# tensor-core tile). Not yet tuned on a GPU.
+FILL_PROGRAMS = 128
+
+
+@triton.jit
+def _projected_conv_kernel(
+    x_ptr,  # [rows, hidden], unit column stride
+    w_ptr,  # [2 * KERNEL_SIZE * groups, hidden], unit column stride
+    base_ptr,  # [KERNEL_SIZE, hidden], contiguous: the opening convolution's static kernel
+    out_ptr,  # [rows, hidden], contiguous
+    dyn_ptr,  # [rows, 2 * KERNEL_SIZE * groups], contiguous: both dynamic kernels
+    rows,
+    hidden,
+    groups,
+    block_len,
+    stride_x,
+    stride_w,
+    GROUP_SIZE: tl.constexpr,
+    KERNEL_SIZE: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows a program takes, >= 16 (tensor-core tiles)
+    BLOCK_N: tl.constexpr,  # power of two >= 2 * KERNEL_SIZE * GROUPS_PER_PROGRAM, >= 16
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # power of two >= GROUPS_PER_PROGRAM * GROUP_SIZE, >= 16
+):
+    g0 = tl.program_id(0) * GROUPS_PER_PROGRAM
+    ms = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < rows
+    # Projection column n is (half, offset, group g0 + j) of this program's groups: its weight
+    # row is that of `dynamic[:, half, offset, g]` in the [rows, 2, KERNEL_SIZE, groups] output.
+    ns = tl.arange(0, BLOCK_N)
+    half = ns // (KERNEL_SIZE * GROUPS_PER_PROGRAM)
+    offset = (ns // GROUPS_PER_PROGRAM) % KERNEL_SIZE
+    j = ns % GROUPS_PER_PROGRAM
+    n_ok = (ns < 2 * KERNEL_SIZE * GROUPS_PER_PROGRAM) & (g0 + j < groups)
+    w_row = (half * KERNEL_SIZE + offset) * groups + g0 + j
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        xt = tl.load(
+            x_ptr + ms[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # fmt: skip
+        wt = tl.load(
+            w_ptr + w_row[None, :].to(tl.int64) * stride_w + ks[:, None],
+            mask=n_ok[None, :] & k_ok[:, None], other=0.0,
+        )  # fmt: skip
+        # fp32 stays fp32 ("ieee"), as F.linear without TF32; ignored for 16-bit inputs.
+        acc = tl.dot(xt, wt, acc, input_precision="ieee")
+    dyn = acc.to(dyn_ptr.dtype.element_ty)  # rounded as the GEMM's output would be
+    dyn_stride = 2 * KERNEL_SIZE * groups
+    tl.store(
+        dyn_ptr + ms[:, None] * dyn_stride + w_row[None, :], dyn,
+        mask=m_ok[:, None] & n_ok[None, :],
+    )  # fmt: skip
+    # The convolution of this program's channels. Each offset's dynamic values, one a group,
+    # are spread over the group's channels by a product with a 0/1 matrix (exact: one term).
+    cl = tl.arange(0, BLOCK_C)
+    cs = g0 * GROUP_SIZE + cl
+    c_ok = (cl < GROUPS_PER_PROGRAM * GROUP_SIZE) & (cs < hidden)
+    t = ms % block_len  # the row's offset in its block: earlier offsets see zeros
+    out = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    for o in tl.static_range(KERNEL_SIZE):
+        spread = (half == 0) & (offset == o) & n_ok
+        spread = spread[:, None] & (j[:, None] == cl[None, :] // GROUP_SIZE)
+        spread = spread.to(dyn_ptr.dtype.element_ty)
+        dv = tl.dot(dyn, spread, input_precision="ieee")
+        seen = m_ok & (t >= o)
+        xv = tl.load(
+            x_ptr + (ms - o)[:, None] * stride_x + cs[None, :],
+            mask=seen[:, None] & c_ok[None, :], other=0.0,
+        ).to(tl.float32)  # fmt: skip
+        bv = tl.load(base_ptr + o * hidden + cs, mask=c_ok, other=0.0).to(tl.float32)
+        out += (bv[None, :] + dv) * xv
+    tl.store(
+        out_ptr + ms[:, None] * hidden + cs[None, :], out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & c_ok[None, :],
+    )  # fmt: skip
+
+
+def _check_blocks(rows: int, block_len: int, hidden: int, groups: int) -> None:
+    if rows % block_len or hidden % groups:
+        raise ValueError(
+            f"{rows} rows are not whole blocks of {block_len}, or {groups} groups do not "
+            f"divide hidden {hidden}"
+        )
+
+
 def triton_grouped_dynamic_causal_conv(
     x: torch.Tensor,  # [num_blocks * block_len, hidden]
     dynamic: torch.Tensor,  # [num_blocks * block_len, kernel_size, groups]
@@ -103,11 +200,7 @@ def triton_grouped_dynamic_causal_conv(
 ) -> torch.Tensor:  # [num_blocks * block_len, hidden]
     rows, hidden = x.shape
     kernel_size, groups = dynamic.shape[1:]
-    if rows % block_len or hidden % groups:
-        raise ValueError(
-            f"{rows} rows are not whole blocks of {block_len}, or {groups} groups do not "
-            f"divide hidden {hidden}"
-        )
+    _check_blocks(rows, block_len, hidden, groups)
     if x.stride(1) != 1:
         x = x.contiguous()
     if dynamic.stride(2) != 1:
@@ -185,3 +278,47 @@ def triton_conv_rms_norm(
         num_warps=min(16, max(1, block // 256)),
     )
     return out, residual_out
+
+
+def triton_projected_dynamic_conv(
+    x: torch.Tensor,  # [num_blocks * block_len, hidden]
+    weight: torch.Tensor,  # [2 * kernel_size * groups, hidden], the kernel projection
+    base: torch.Tensor,  # [kernel_size, hidden], the opening convolution's static kernel
+    block_len: int,
+    groups_per_program: int | None = None,  # None: see FILL_PROGRAMS
+    block_m: int = 16,
+    block_k: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [rows, hidden], dynamic [rows, 2, kernel_size, G]
+    """`dynamic_conv.projected_dynamic_conv_torch` in one launch."""
+    rows, hidden = x.shape
+    kernel_size = base.shape[0]
+    if weight.shape[1] != hidden or weight.shape[0] % (2 * kernel_size):
+        raise ValueError(
+            f"kernel projection {tuple(weight.shape)} does not map hidden {hidden} to 2 x "
+            f"{kernel_size} dynamic kernels"
+        )
+    groups = weight.shape[0] // (2 * kernel_size)
+    _check_blocks(rows, block_len, hidden, groups)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    dynamic = torch.empty(rows, 2, kernel_size, groups, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out, dynamic
+    gpp = groups_per_program or max(1, min(8 // kernel_size, groups // FILL_PROGRAMS))
+    gpp = min(gpp, groups)
+    group_size = hidden // groups
+    _projected_conv_kernel[(triton.cdiv(groups, gpp), triton.cdiv(rows, block_m))](
+        x, weight, base.contiguous(), out, dynamic, rows, hidden, groups, block_len,
+        x.stride(0), weight.stride(0),
+        GROUP_SIZE=group_size, KERNEL_SIZE=kernel_size, GROUPS_PER_PROGRAM=gpp,
+        BLOCK_M=max(16, block_m), BLOCK_N=max(16, triton.next_power_of_2(2 * kernel_size * gpp)),
+        BLOCK_K=max(16, min(block_k, triton.next_power_of_2(hidden))),
+        BLOCK_C=max(16, triton.next_power_of_2(gpp * group_size)),
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out, dynamic

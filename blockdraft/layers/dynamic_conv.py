@@ -6,8 +6,9 @@ twin: `blockdraft.kernels.dynamic_conv`). The convolution kernel has a static pe
 (`base_kernel`) and a dynamic per-group part that row t predicts from its own input
 (`kernel_projection`; channels come in groups of `group_size`). A layer applies one pair
 around a sub-block: `prepare` convolves its input with the first kernel and predicts the
-second, `finish` convolves the sub-block's output with that second kernel (`finish_norm`: and
-the residual add + RMSNorm that follows, in one kernel on the GPU).
+second (with `KernelPolicy.fuse_conv_projection`, projection and convolution in one kernel),
+`finish` convolves the sub-block's output with that second kernel (`finish_norm`: and the
+residual add + RMSNorm that follows, in one kernel on the GPU).
 
 Rows are flat `[num_blocks * block_len, hidden]`, each block its own sequence: the
 convolution never reaches across a block boundary, so batched requests stay independent.
@@ -19,10 +20,12 @@ import torch
 from torch import nn
 
 from blockdraft.kernels.dynamic_conv import grouped_dynamic_causal_conv_torch
+from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.select import (
     PerDevice,
     get_conv_rms_norm_backend,
     get_dynamic_conv_backend,
+    get_projected_conv_backend,
     needs_autograd,
 )
 from blockdraft.layers.linear import linear
@@ -42,6 +45,7 @@ class GroupedDynamicCausalConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self._backend = PerDevice(get_dynamic_conv_backend)  # Triton on CUDA, else torch
         self._norm_backend = PerDevice(get_conv_rms_norm_backend)
+        self._prepare_backend = PerDevice(get_projected_conv_backend)
 
     def _conv(
         self,
@@ -59,6 +63,10 @@ class GroupedDynamicCausalConv(nn.Module):
         x: torch.Tensor,  # [rows, hidden], blocks of block_len rows
         block_len: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x convolved [rows, hidden], finish's [rows, k, g]
+        weight, base = self.kernel_projection.weight, self.base_kernel[0]
+        if current_kernel_policy().fuse_conv_projection and not needs_autograd(x, weight, base):
+            out, dynamic = self._prepare_backend(x.device)(x, weight, base, block_len)
+            return out, dynamic[:, 1]
         dynamic = linear(x, self.kernel_projection.weight, None)
         dynamic = dynamic.view(-1, 2, self.kernel_size, self.groups)
         out = self._conv(x, dynamic[:, 0], self.base_kernel[0], block_len)

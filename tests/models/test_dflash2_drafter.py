@@ -40,13 +40,15 @@ def _target(target_dir: Path) -> DecoderLM:
     return model.eval()
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-projection"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_dynamic_conv_matches_zlab_per_block(rng, set_policy, backend: str) -> None:
+def test_dynamic_conv_matches_zlab_per_block(rng, set_policy, backend: str, fused: bool) -> None:
     """Flat rows of several blocks: each block convolved on its own, as z-lab's module
-    convolves a batch of one block; the Triton kernels too."""
+    convolves a batch of one block; the Triton kernels too, with the opening's projection and
+    convolution in one kernel or not."""
     from dflash.model import GroupedDynamicCausalConv as ZlabConv
 
-    set_policy(backend=backend)
+    set_policy(backend=backend, fuse_conv_projection=fused)
 
     hidden, kernel, group, block_len, blocks = 24, 3, 8, 5, 3
     ours = GroupedDynamicCausalConv(hidden, kernel, group)
