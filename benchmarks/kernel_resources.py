@@ -15,7 +15,8 @@ Cases (`--groups`): `gdn`, the Gated DeltaNet decode, verify (the row kernel, an
 form at each value block and warp count) and commit kernels at Qwen3.5-27B heads (`--tiny`:
 small heads); `dflash2`, a DFlash2 drafter step's own kernels at Qwen3-8B shapes (z-lab's
 published fields: conv kernel 2, groups of 16, selector rank 256, top-16): the kernel
-projection's skinny GEMM, the dynamic conv, the conv + residual + RMSNorm, the top-K over the
+projection's skinny GEMM, the dynamic conv, the two fused into one (`fuse_conv_projection`), the
+conv + residual + RMSNorm, the top-K over the
 vocabulary and the candidate walk, for one block of 16 rows; `prefill`, the chunked delta
 rule's three kernels (a prefill chunk of Gated DeltaNet layers) for batches of 1, 15, 16 and 33
 sequences, and the padded recurrence of the decode rows and verify blocks beside them at 1, 5
@@ -157,6 +158,7 @@ def dflash2_cases(rows: int) -> dict[str, Callable[[], object]]:
     from blockdraft.kernels.triton_dynamic_conv import (
         triton_conv_rms_norm,
         triton_grouped_dynamic_causal_conv,
+        triton_projected_dynamic_conv,
     )
     from blockdraft.kernels.triton_linear import skinny_linear
     from blockdraft.kernels.triton_top_k import triton_top_k
@@ -175,6 +177,9 @@ def dflash2_cases(rows: int) -> dict[str, Callable[[], object]]:
     return {
         "kernel projection": lambda: skinny_linear(x, projection),
         "dynamic conv": lambda: triton_grouped_dynamic_causal_conv(x, dynamic, base, rows),
+        "projection + conv (fused)": lambda: triton_projected_dynamic_conv(
+            x, projection, base, rows
+        ),
         "conv + RMSNorm": lambda: triton_conv_rms_norm(
             x, dynamic, base, rows, torch.ones(hidden, dtype=dtype), 1e-6, x
         ),

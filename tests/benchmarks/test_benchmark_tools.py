@@ -565,13 +565,13 @@ def test_kernel_resources_compiles_kernels_for_a_gpu_without_one() -> None:
         *["_gated_deltanet_verify_chunk_kernel"] * 4,
         "_gated_deltanet_commit_kernel",
     ], out.stdout
-    dflash2 = ["_skinny_matmul_kernel", "_dynamic_conv_kernel", "_conv_rms_norm_kernel",
-               "_group_max_kernel", "_top_k_groups_kernel", "_candidate_table_kernel",
-               "_candidate_path_kernel"]  # fmt: skip
-    assert kernels[7:14] == dflash2, out.stdout
+    dflash2 = ["_skinny_matmul_kernel", "_dynamic_conv_kernel", "_projected_conv_kernel",
+               "_conv_rms_norm_kernel", "_group_max_kernel", "_top_k_groups_kernel",
+               "_candidate_table_kernel", "_candidate_path_kernel"]  # fmt: skip
+    assert kernels[7:15] == dflash2, out.stdout
     prefill = ["_chunk_prepare_kernel", "_chunk_state_kernel", "_chunk_output_kernel"]
-    assert kernels[14:26] == prefill * 4, out.stdout
-    assert kernels[26:] == ["_gated_delta_rule_recurrent_kernel"] * 3, out.stdout
+    assert kernels[15:27] == prefill * 4, out.stdout
+    assert kernels[27:] == ["_gated_delta_rule_recurrent_kernel"] * 3, out.stdout
     # One compile of each prefill kernel for batches of 1, 15, 16 and 33 sequences, and of the
     # mixed step's recurrence for 1, 5 and 16 rows: a new number of sequences or width
     # compiles nothing in the middle of serving.
