@@ -2,12 +2,15 @@
 `dflash_generate` with its `DFlash2DraftModel`, greedy; lossless against plain decoding and the
 reference's acceptance statistics when sampling."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from blockdraft import LLM, SamplingParams
+from blockdraft.config import default_kernel_policy
+from blockdraft.kernels import select
 
 from checkpoints import make_predictable_target, make_qwen3_checkpoint, zlab_full_block_steps
 from dflash2_checkpoints import (
@@ -52,10 +55,18 @@ def random_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, make_dflash2_drafter(root / "drafter", target, block_size=8, seed=5)
 
 
-@pytest.mark.parametrize("kind", ["random", "agreeing", "sliding"])
-def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
+@pytest.mark.parametrize("kind", ["random", "agreeing", "sliding", "random-fused-opening"])
+def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng, monkeypatch) -> None:
     """First-step logits and proposals, then whole greedy runs: the same tokens and per-step
-    acceptance lengths as z-lab's dflash_generate."""
+    acceptance lengths as z-lab's dflash_generate (also with each sub-block's projection and
+    convolution as one kernel, `KernelPolicy.fuse_conv_projection`)."""
+    fused = kind.endswith("-fused-opening")
+    kind = kind.removesuffix("-fused-opening")
+    openings = []
+    real_opening = select.projected_dynamic_conv_torch
+    monkeypatch.setattr(
+        select, "projected_dynamic_conv_torch", lambda *a: openings.append(1) or real_opening(*a)
+    )
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     kw = dict(block_size=8, seed=seed)
     if kind == "agreeing":
@@ -74,14 +85,16 @@ def test_matches_zlab_reference_greedy(tmp_path: Path, kind: str, rng) -> None:
         prompt = torch.randint(4, 64, (21,), generator=rng).tolist()
         ref_logits, ref_proposals = zlab2_first_step(target, drafter, prompt)
     # Without prefix caching the sliding layers keep only their windows' pages (window_pages.py).
+    policy = dataclasses.replace(default_kernel_policy(), fuse_conv_projection=fused)
     llm = LLM(str(target), speculative_config=spec(drafter, 7), block_size=4,
-              enable_prefix_caching=kind != "sliding")  # fmt: skip
+              enable_prefix_caching=kind != "sliding", kernel_policy=policy)  # fmt: skip
     assert (llm.engine.block_manager.window_pages is not None) == (kind == "sliding")
     seen_logits = spy_draft_logits(llm)
     proposals = spy_proposals(llm)
     out = llm.generate(
         [prompt], SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True), use_tqdm=False
     )
+    assert bool(openings) == fused
     rel = (seen_logits[0] - ref_logits).abs().max() / ref_logits.abs().max()
     assert rel < 1e-4
     assert proposals[0][0].tolist() == ref_proposals
