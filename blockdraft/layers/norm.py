@@ -26,11 +26,6 @@ class RMSNorm(nn.Module):
         return _norm_kernel(self, x, residual)(x, self.weight, self.eps, residual)
 
 
-def layer_output(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """The hidden state after a pre-norm layer from its unsummed (output, residual stream)."""
-    return x if residual is None else x + residual
-
-
 def input_norm(
     norm: RMSNorm | OffsetRMSNorm,
     x: torch.Tensor,  # [num_tokens, hidden], the previous layer's output (or the input)

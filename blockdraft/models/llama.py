@@ -68,9 +68,8 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
         """Pre-norm block whose output `mlp_out + residual` is left unsummed: each residual add
         is fused into the norm after it (one kernel on the Triton path), the last one into the
-        next layer's input norm or the final norm. `layer_output` sums it where it is needed;
-        `stream_out` gets this layer's input stream (the previous layer's output) from the
-        input norm's add."""
+        next layer's input norm or the final norm; `stream_out` gets this layer's input stream
+        (the previous layer's output, a DFlash target feature) from the input norm's add."""
         if self._norms_fuse(x, residual):
             # Each norm formed in the loads of the skinny GEMM after it: same outputs and stream.
             attn, mlp = self.self_attn, self.mlp
