@@ -155,10 +155,7 @@ class DecoderLM(nn.Module):
         features = x.new_empty(x.shape[0], len(ids) * hidden) if ids else None
         stream_out = None
         for i, layer in enumerate(self.model.layers):
-            if stream_out is None:
-                x, residual = layer(x, positions, residual)
-            else:
-                x, residual = layer(x, positions, residual, stream_out)
+            x, residual = layer(x, positions, residual, stream_out)
             if after_layer is not None:
                 after_layer(i)
             stream_out = None
