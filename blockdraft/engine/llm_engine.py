@@ -11,6 +11,7 @@ import torch
 from blockdraft.config import EngineConfig
 from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.engine.async_decode import DecodePipeline
+from blockdraft.engine.cpu_linear_plan import cpu_linear_policy
 from blockdraft.engine.cuda_graphs import capture_graphs, default_batch_sizes
 from blockdraft.engine.input_processor import InputProcessor
 from blockdraft.engine.kv_cache import allocate_kv_pool, max_blocks_per_seq
@@ -51,6 +52,8 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.tp = tp
         loaded = load_rank_models(config, self.device, tp)
+        if self.device.type == "cpu":  # this machine's BLAS decides how few-row linears run
+            self.kernel_policy = cpu_linear_policy(self.kernel_policy, loaded.model, loaded.drafter)
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.generation_defaults = loaded.generation_defaults
         self.eos_token_ids = loaded.eos_token_ids

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 BACKENDS = ("auto", "torch", "triton")
+# `KernelPolicy.cpu_weight_left_min_rows` where no CPU engine measured it (small models, tests).
+CPU_WEIGHT_LEFT_MIN_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ class KernelPolicy:
     # GEMM and a convolution. Off until timed on a GPU (`drafter_step_bench.py
     # --fused-conv-projection`).
     fuse_conv_projection: bool = False
+    # CPU linears of at least this many rows run as `weight @ x.T` (the weight as the left
+    # operand, as stored) instead of F.linear; 1: single rows too, as two (`layers.linear`).
+    # Which is faster depends on the CPU's BLAS: on one host F.linear was 2-4x faster at two
+    # rows, on an AMD EPYC its one-row GEMV streams a weight from memory at a third of a
+    # two-row `weight @ x.T`'s speed. None: a CPU engine measures it at start
+    # (`engine/cpu_linear_plan.py`), CPU_WEIGHT_LEFT_MIN_ROWS where it does not.
+    cpu_weight_left_min_rows: int | None = None
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps
@@ -92,6 +101,11 @@ class KernelPolicy:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
+        rows = self.cpu_weight_left_min_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(
+                f"cpu_weight_left_min_rows must be an integer >= 1 or None, got {rows!r}"
+            )
         rows = self.chunked_gated_deltanet_verify_min_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ValueError(

@@ -11,6 +11,7 @@ from torch import nn
 
 from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.kernels.forward_context import current_kernel_policy
+from blockdraft.kernels.policy import CPU_WEIGHT_LEFT_MIN_ROWS
 from blockdraft.kernels.select import get_linear_backend, needs_autograd
 from blockdraft.layers.norm import RMSNorm
 
@@ -39,21 +40,31 @@ def prologue_fits(
     return x.shape[:-1].numel() <= limit and skinny(x, *params)
 
 
-# On the CPU a product of many rows is faster as W @ x.T (the weight as the left operand, as
-# stored) than as F.linear (x @ W.T); for a few rows F.linear's small-M path is: with torch 2.13's
-# CPU wheel, one thread, SmolLM2-135M's shapes, 2 rows of the MLP's gate_up [3072, 576] took 308
-# vs 649 us and of the LM head [49152, 576] 4.8 vs 19.1 ms, 16 rows 942 vs 688 us and 19.9 vs
-# 19.6 ms (two threads alike). Below CPU_WEIGHT_LEFT_MIN_ROWS rows the linear stays F.linear.
-CPU_WEIGHT_LEFT_MIN_ROWS = 16
-
-
 def _cpu_weight_left(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    return (
-        x.device.type == "cpu"
-        and x.dim() == 2
-        and x.shape[0] >= CPU_WEIGHT_LEFT_MIN_ROWS
-        and not needs_autograd(x, *params)
-    )
+    """Whether a CPU linear of x runs as `weight @ x.T` (`KernelPolicy.cpu_weight_left_min_rows`;
+    with torch 2.13's CPU wheel, one thread, SmolLM2-135M's shapes, on one host 16 rows of the
+    MLP's gate_up took 942 us through F.linear and 688 this way)."""
+    if x.device.type != "cpu" or x.dim() != 2 or needs_autograd(x, *params):
+        return False
+    least = current_kernel_policy().cpu_weight_left_min_rows
+    return x.shape[0] >= (CPU_WEIGHT_LEFT_MIN_ROWS if least is None else least)
+
+
+def weight_left_linear(
+    x: torch.Tensor,  # [rows, in_features]
+    weight: torch.Tensor,  # [out_features, in_features]
+    bias: torch.Tensor | None = None,  # [out_features]
+) -> torch.Tensor:  # [rows, out_features]
+    """F.linear's product as `weight @ x.T`; one row runs as two (the BLAS's GEMM, not its
+    GEMV), the second dropped."""
+    rows = x.shape[0]
+    if rows == 1:
+        x = torch.cat([x, x])
+    if bias is None:
+        out = torch.mm(weight, x.t())
+    else:
+        out = torch.addmm(bias[:, None], weight, x.t())
+    return out[:, :rows].t().contiguous()
 
 
 def linear(
@@ -62,16 +73,12 @@ def linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """`F.linear`, through `get_linear_backend` (the Triton skinny GEMM) for a few rows on the
-    GPU outside autograd; on the CPU, CPU_WEIGHT_LEFT_MIN_ROWS rows or more as `weight @ x.T`;
-    training runs F.linear itself."""
+    GPU outside autograd; on the CPU, `KernelPolicy.cpu_weight_left_min_rows` rows or more as
+    `weight @ x.T` (`weight_left_linear`); training runs F.linear itself."""
     if skinny(x, weight, bias):
         return get_linear_backend(x.device)(x, weight, bias)
     if _cpu_weight_left(x, weight, bias):
-        if bias is None:
-            out = torch.mm(weight, x.t())
-        else:
-            out = torch.addmm(bias[:, None], weight, x.t())
-        return out.t().contiguous()  # [num_tokens, out_features]
+        return weight_left_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

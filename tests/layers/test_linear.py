@@ -100,10 +100,15 @@ def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
     assert calls == [] and lm.lm_head.weight.grad is not None
 
 
+@pytest.mark.parametrize("least", [1, 2, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_many_rows_take_the_weight_as_left_operand(bias: bool, rng) -> None:
-    """On the CPU, CPU_WEIGHT_LEFT_MIN_ROWS+ rows outside autograd: F.linear's product as
-    `weight @ x.T` (contiguous, bias added); fewer rows and autograd take F.linear itself."""
+def test_cpu_rows_from_the_policy_take_the_weight_as_left_operand(
+    bias: bool, least: int, rng, set_policy
+) -> None:
+    """On the CPU, `cpu_weight_left_min_rows`+ rows outside autograd: F.linear's product as
+    `weight @ x.T` (contiguous, bias added; one row as two); fewer rows and autograd take
+    F.linear itself."""
+    set_policy(cpu_weight_left_min_rows=least)
     out, k = (int(v) for v in torch.randint(1, 300, (2,), generator=rng))
     w = torch.randn(out, k, generator=rng)
     b = torch.randn(out, generator=rng) if bias else None
@@ -114,10 +119,10 @@ def test_cpu_many_rows_take_the_weight_as_left_operand(bias: bool, rng) -> None:
         calls.append(1)
         return real(*args)
 
-    least = linear_layer.CPU_WEIGHT_LEFT_MIN_ROWS
-    few = int(torch.randint(1, least, (1,), generator=rng))
+    few = int(torch.randint(1, least, (1,), generator=rng)) if least > 1 else None
     many = int(torch.randint(least, 300, (1,), generator=rng))
-    for n, by_f_linear in ((1, True), (few, True), (least, False), (many, False)):
+    cases = [(1, least > 1), (least, False), (many, False)] + [(few, True)] * (few is not None)
+    for n, by_f_linear in cases:
         x = torch.randn(n, k, generator=rng)
         calls.clear()
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
