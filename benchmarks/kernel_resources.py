@@ -15,9 +15,9 @@ Cases (`--groups`): `gdn`, the Gated DeltaNet decode, verify (the row kernel, an
 form at each value block and warp count) and commit kernels at Qwen3.5-27B heads (`--tiny`:
 small heads); `dflash2`, a DFlash2 drafter step's own kernels at Qwen3-8B shapes (z-lab's
 published fields: conv kernel 2, groups of 16, selector rank 256, top-16): the kernel
-projection's skinny GEMM, the dynamic conv, the two fused into one (`fuse_conv_projection`), the
-conv + residual + RMSNorm, the top-K over the
-vocabulary and the candidate walk, for one block of 16 rows; `prefill`, the chunked delta
+projection's skinny GEMM, the dynamic conv, the two fused into one (`fuse_conv_projection`),
+the conv + residual + RMSNorm, the top-K over the vocabulary and the candidate walk, for one
+block of 16 rows; `prefill`, the chunked delta
 rule's three kernels (a prefill chunk of Gated DeltaNet layers) for batches of 1, 15, 16 and 33
 sequences, and the padded recurrence of the decode rows and verify blocks beside them at 1, 5
 and 16 rows. Last, the compiles each kernel took over all cases: the prefill kernels must take

@@ -36,7 +36,9 @@ def linear_weights(*models: nn.Module | None) -> list[torch.Tensor]:
     """The 2-D weights of the models' linears, largest first (each matrix once)."""
     seen, weights = set(), []
     for model in models:
-        for module in model.modules() if model is not None else ():
+        if model is None:  # no drafter
+            continue
+        for module in model.modules():
             weight = getattr(module, "weight", None)
             if not isinstance(module, nn.Linear) or weight is None or weight.dim() != 2:
                 continue

@@ -101,14 +101,9 @@ class KernelPolicy:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        rows = self.cpu_weight_left_min_rows
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ValueError(
-                f"cpu_weight_left_min_rows must be an integer >= 1 or None, got {rows!r}"
-            )
-        rows = self.chunked_gated_deltanet_verify_min_rows
-        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
-            raise ValueError(
-                "chunked_gated_deltanet_verify_min_rows must be an integer >= 1 or None, "
-                f"got {rows!r}"
-            )
+        for name in ("cpu_weight_left_min_rows", "chunked_gated_deltanet_verify_min_rows"):
+            rows = getattr(self, name)
+            if rows is not None and (
+                isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
+            ):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {rows!r}")

@@ -67,9 +67,8 @@ class GroupedDynamicCausalConv(nn.Module):
         if current_kernel_policy().fuse_conv_projection and not needs_autograd(x, weight, base):
             out, dynamic = self._prepare_backend(x.device)(x, weight, base, block_len)
             return out, dynamic[:, 1]
-        dynamic = linear(x, self.kernel_projection.weight, None)
-        dynamic = dynamic.view(-1, 2, self.kernel_size, self.groups)
-        out = self._conv(x, dynamic[:, 0], self.base_kernel[0], block_len)
+        dynamic = linear(x, weight, None).view(-1, 2, self.kernel_size, self.groups)
+        out = self._conv(x, dynamic[:, 0], base, block_len)
         return out, dynamic[:, 1]
 
     def finish(

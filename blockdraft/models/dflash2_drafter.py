@@ -25,6 +25,7 @@ from blockdraft.kernels.candidate_walk import pair_scores, transition_scores
 from blockdraft.kernels.forward_context import get_attention_metadata
 from blockdraft.layers.dynamic_conv import GroupedDynamicCausalConv
 from blockdraft.layers.linear import linear
+from blockdraft.layers.norm import input_norm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.models.dflash_drafter import DFlashConfig, DFlashDrafter
 from blockdraft.models.llama import DecoderLayer, DecoderLM
@@ -88,10 +89,8 @@ class DFlash2DecoderLayer(DecoderLayer):
         final norm), passed on as a `PendingConv`."""
         if before is not None:
             h, residual = before.finish_norm(self.input_layernorm, residual, block_len)
-        elif residual is None:
-            h, residual = self.input_layernorm(x), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = input_norm(self.input_layernorm, x, residual)
         h, kernel = self.attention_conv.prepare(h, block_len)
         h, residual = self.attention_conv.finish_norm(
             self.self_attn(h, positions), kernel, block_len, self.post_attention_layernorm, residual
