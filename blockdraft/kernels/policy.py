@@ -9,11 +9,20 @@ Each default is the one measured fastest on an H200 (BENCHMARKS.md has the runs)
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, fields
 
 BACKENDS = ("auto", "torch", "triton")
-# `KernelPolicy.cpu_weight_left_min_rows` where no CPU engine measured it (small models, tests).
-CPU_WEIGHT_LEFT_MIN_ROWS = 16
+# The row counts a CPU linear's path is chosen at (`KernelPolicy.cpu_weight_left_rows`): a
+# linear of m rows follows the choice made for the largest count <= m.
+CPU_ROW_COUNTS = (1, 2, 3, 4, 8, 16)
+# `KernelPolicy.cpu_weight_left_rows` where no CPU engine measured it (small models, tests).
+CPU_WEIGHT_LEFT_ROWS = (16,)
+
+
+def cpu_row_count(rows: int) -> int:
+    """The count of CPU_ROW_COUNTS whose choice a linear of `rows` (>= 1) rows follows."""
+    return CPU_ROW_COUNTS[bisect.bisect_right(CPU_ROW_COUNTS, rows) - 1]
 
 
 @dataclass(frozen=True)
@@ -70,16 +79,19 @@ class KernelPolicy:
     triton_chunked_prefill: bool = True
     # A DFlash2 drafter's sub-block opening (the kernel projection, then the convolution with
     # its first dynamic kernel) in one kernel (`triton_projected_dynamic_conv`) instead of a
-    # GEMM and a convolution. Off until timed on a GPU (`drafter_step_bench.py
-    # --fused-conv-projection`).
+    # GEMM and a convolution. Off: no faster (H100, `conv_projection_bench.py`: 16 rows 9.94 us
+    # separate, 10.22 fused at its best options, 15.31 at its defaults; 512 rows 15.3 vs 19.3;
+    # `drafter_step_bench.py --fused-conv-projection` DFlash2 / DFlash at batch 1 1.133 -> 1.175).
     fuse_conv_projection: bool = False
-    # CPU linears of at least this many rows run as `weight @ x.T` (the weight as the left
-    # operand, as stored) instead of F.linear; 1: single rows too, as two (`layers.linear`).
-    # Which is faster depends on the CPU's BLAS: on one host F.linear was 2-4x faster at two
-    # rows, on an AMD EPYC its one-row GEMV streams a weight from memory at a third of a
-    # two-row `weight @ x.T`'s speed. None: a CPU engine measures it at start
-    # (`engine/cpu_linear_plan.py`), CPU_WEIGHT_LEFT_MIN_ROWS where it does not.
-    cpu_weight_left_min_rows: int | None = None
+    # The counts of CPU_ROW_COUNTS at which CPU linears run as `weight @ x.T` (the weight as
+    # the left operand, as stored; one row as two: `layers.linear`) instead of F.linear; a
+    # linear of m rows follows the largest count <= m ((16,): every linear of 16 rows or more).
+    # Which is faster depends on the CPU's BLAS and its threads: on one host F.linear was 2-4x
+    # faster at two rows; on an AMD EPYC its one-row GEMV streams a weight from memory at a
+    # third of a two-row `weight @ x.T`'s speed, while on one thread its 16-row GEMM wins.
+    # None: a CPU engine measures each count at start (`engine/cpu_linear_plan.py`),
+    # CPU_WEIGHT_LEFT_ROWS where it does not.
+    cpu_weight_left_rows: tuple[int, ...] | None = None
     # Programmatic dependent launch on devices that have it (compute capability 9.0+).
     pdl: bool = True
     # PDL only in forwards of at most this many query rows a request: it pays in decode steps
@@ -101,9 +113,19 @@ class KernelPolicy:
                 isinstance(value, bool) or not isinstance(value, int) or value < 0
             ):
                 raise ValueError(f"{f.name} must be an integer >= 0, got {value!r}")
-        for name in ("cpu_weight_left_min_rows", "chunked_gated_deltanet_verify_min_rows"):
-            rows = getattr(self, name)
-            if rows is not None and (
-                isinstance(rows, bool) or not isinstance(rows, int) or rows < 1
-            ):
-                raise ValueError(f"{name} must be an integer >= 1 or None, got {rows!r}")
+        rows = self.chunked_gated_deltanet_verify_min_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(
+                f"chunked_gated_deltanet_verify_min_rows must be an integer >= 1 or None, "
+                f"got {rows!r}"
+            )
+        counts = self.cpu_weight_left_rows
+        if counts is not None and (
+            not isinstance(counts, tuple)
+            or any(isinstance(m, bool) or m not in CPU_ROW_COUNTS for m in counts)
+            or list(counts) != sorted(set(counts))
+        ):
+            raise ValueError(
+                f"cpu_weight_left_rows must be None or an ascending tuple of distinct counts "
+                f"from {CPU_ROW_COUNTS}, got {counts!r}"
+            )

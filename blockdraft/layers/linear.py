@@ -11,7 +11,7 @@ from torch import nn
 
 from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.kernels.forward_context import current_kernel_policy
-from blockdraft.kernels.policy import CPU_WEIGHT_LEFT_MIN_ROWS
+from blockdraft.kernels.policy import CPU_WEIGHT_LEFT_ROWS, cpu_row_count
 from blockdraft.kernels.select import get_linear_backend, needs_autograd
 from blockdraft.layers.norm import RMSNorm
 
@@ -41,13 +41,13 @@ def prologue_fits(
 
 
 def _cpu_weight_left(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """Whether a CPU linear of x runs as `weight @ x.T` (`KernelPolicy.cpu_weight_left_min_rows`;
+    """Whether a CPU linear of x runs as `weight @ x.T` (`KernelPolicy.cpu_weight_left_rows`;
     with torch 2.13's CPU wheel, one thread, SmolLM2-135M's shapes, on one host 16 rows of the
     MLP's gate_up took 942 us through F.linear and 688 this way)."""
-    if x.device.type != "cpu" or x.dim() != 2 or needs_autograd(x, *params):
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] < 1 or needs_autograd(x, *params):
         return False
-    least = current_kernel_policy().cpu_weight_left_min_rows
-    return x.shape[0] >= (CPU_WEIGHT_LEFT_MIN_ROWS if least is None else least)
+    counts = current_kernel_policy().cpu_weight_left_rows
+    return cpu_row_count(x.shape[0]) in (CPU_WEIGHT_LEFT_ROWS if counts is None else counts)
 
 
 def weight_left_linear(
@@ -73,8 +73,8 @@ def linear(
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [num_tokens, out_features]
     """`F.linear`, through `get_linear_backend` (the Triton skinny GEMM) for a few rows on the
-    GPU outside autograd; on the CPU, `KernelPolicy.cpu_weight_left_min_rows` rows or more as
-    `weight @ x.T` (`weight_left_linear`); training runs F.linear itself."""
+    GPU outside autograd; on the CPU, the row counts `KernelPolicy.cpu_weight_left_rows` names
+    as `weight @ x.T` (`weight_left_linear`); training runs F.linear itself."""
     if skinny(x, weight, bias):
         return get_linear_backend(x.device)(x, weight, bias)
     if _cpu_weight_left(x, weight, bias):

@@ -44,6 +44,12 @@ def test_defaults_are_the_measured_ones() -> None:
         ("chunked_gated_deltanet_verify_min_rows", 0),
         ("chunked_gated_deltanet_verify_min_rows", 8.0),
         ("chunked_gated_deltanet_verify_min_rows", True),
+        ("cpu_weight_left_rows", 16),
+        ("cpu_weight_left_rows", [1, 2]),
+        ("cpu_weight_left_rows", (5,)),
+        ("cpu_weight_left_rows", (2, 1)),
+        ("cpu_weight_left_rows", (1, 1)),
+        ("cpu_weight_left_rows", (True,)),
     ],
 )
 def test_bad_fields_are_named(field: str, value: object) -> None:

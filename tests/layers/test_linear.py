@@ -100,15 +100,16 @@ def test_decoder_routes_few_rows(rng, monkeypatch, set_policy) -> None:
     assert calls == [] and lm.lm_head.weight.grad is not None
 
 
-@pytest.mark.parametrize("least", [1, 2, 16])
+@pytest.mark.parametrize("counts", [(1, 2, 3, 4, 8, 16), (2, 16), (16,), (1, 2, 3, 4, 8)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_cpu_rows_from_the_policy_take_the_weight_as_left_operand(
-    bias: bool, least: int, rng, set_policy
+    bias: bool, counts: tuple[int, ...], rng, set_policy
 ) -> None:
-    """On the CPU, `cpu_weight_left_min_rows`+ rows outside autograd: F.linear's product as
-    `weight @ x.T` (contiguous, bias added; one row as two); fewer rows and autograd take
-    F.linear itself."""
-    set_policy(cpu_weight_left_min_rows=least)
+    """On the CPU, outside autograd, a linear whose row count falls on one of
+    `cpu_weight_left_rows` (a count of m rows: the largest of CPU_ROW_COUNTS <= m): F.linear's
+    product as `weight @ x.T` (contiguous, bias added; one row as two); the other counts and
+    autograd take F.linear itself."""
+    set_policy(cpu_weight_left_rows=counts)
     out, k = (int(v) for v in torch.randint(1, 300, (2,), generator=rng))
     w = torch.randn(out, k, generator=rng)
     b = torch.randn(out, generator=rng) if bias else None
@@ -119,10 +120,9 @@ def test_cpu_rows_from_the_policy_take_the_weight_as_left_operand(
         calls.append(1)
         return real(*args)
 
-    few = int(torch.randint(1, least, (1,), generator=rng)) if least > 1 else None
-    many = int(torch.randint(least, 300, (1,), generator=rng))
-    cases = [(1, least > 1), (least, False), (many, False)] + [(few, True)] * (few is not None)
-    for n, by_f_linear in cases:
+    sizes = [1, 2, 3, 5, 8, 12, 16] + torch.randint(1, 300, (3,), generator=rng).tolist()
+    for n in sizes:
+        left = max(c for c in (1, 2, 3, 4, 8, 16) if c <= n) in counts
         x = torch.randn(n, k, generator=rng)
         calls.clear()
         with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
@@ -131,7 +131,7 @@ def test_cpu_rows_from_the_policy_take_the_weight_as_left_operand(
         # Another summation order: fp32 rounding over up to 300 products of N(0, 1) values.
         torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
         assert got.is_contiguous() and got.shape == (n, out)
-        assert len(calls) == int(by_f_linear), n
+        assert len(calls) == int(not left), n
     w.requires_grad_(True)
     calls.clear()
     with pytest.MonkeyPatch.context() as mp:
