@@ -30,6 +30,11 @@ import triton.language as tl
 
 GROUP = 32  # columns per group: the first pass ranks the groups by their maxima first
 CHUNK = 32  # groups per chunk of the second pass's ranking
+# The second pass runs 8 warps up to this many rows, 4 past it: at 4 warps a program spills
+# (255 registers, 72 bytes a thread on sm_90; 183 and none at 8), and 8 warps took 11-16% off
+# 15 and 120 rows (151,936 columns, k = 8 and 16; H100, CUDA graphs) but added 1-10% at 480,
+# where every SM has several programs to switch between anyway.
+WIDE_MAX_ROWS = 128
 
 
 # A candidate is one int64 key, (value's order-preserving bits) << 32 | (LOW_BITS - column):
@@ -182,13 +187,15 @@ def triton_top_k(
     x: torch.Tensor,  # [..., V]
     k: int,
     groups_per_program: int = 256,
-    num_warps: int = 4,
+    num_warps: int | None = None,  # the second pass's; None: 8 up to WIDE_MAX_ROWS rows, else 4
 ) -> tuple[torch.Tensor, torch.Tensor]:  # values [..., k] float32, columns [..., k] int64
     """The k largest values of each row, largest first (ties: lowest column first).
     `groups_per_program`: groups a first-pass program takes the maxima of."""
     rows, out_vals, out_cols = _rows_and_outputs(x, k)
     n, vocab = rows.shape
     if n:
+        if num_warps is None:
+            num_warps = 8 if n <= WIDE_MAX_ROWS else 4
         num_groups = triton.cdiv(vocab, GROUP)
         gpp = min(groups_per_program, triton.next_power_of_2(num_groups))
         maxima = torch.empty(n, num_groups, dtype=torch.float32, device=x.device)

@@ -54,3 +54,31 @@ def test_bfloat16_rows_and_bad_k(rng) -> None:
     assert torch.equal(columns, stable[:, :8])
     with pytest.raises(ValueError, match="1 <= k <= 1000"):
         triton_top_k(x, 1001)
+
+
+def test_second_pass_warps_by_rows(rng, monkeypatch) -> None:
+    """8 warps up to WIDE_MAX_ROWS rows (a drafter step's few rows), 4 past it; an explicit
+    count is kept; the values are torch's whichever."""
+    from blockdraft.kernels import triton_top_k as module
+
+    launched = []
+    real = module._top_k_groups_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["num_warps"])
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(module, "_top_k_groups_kernel", Spy())
+    for rows, warps, want in [
+        (module.WIDE_MAX_ROWS, None, 8),
+        (module.WIDE_MAX_ROWS + 1, None, 4),
+        (5, 4, 4),
+    ]:
+        x = randn(rng, rows, 300)
+        values, columns = triton_top_k(x, 6, num_warps=warps)
+        assert launched.pop() == want
+        assert torch.equal(values, top_k_torch(x, 6)[0])
