@@ -18,7 +18,6 @@ from blockdraft.spec_decode import draft_length
 from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
-    COST_WINDOW,
     DECODE_RECHECK_SPACING,
     IDLE_AGE_STEPS,
     IDLE_DECAY,
@@ -32,12 +31,11 @@ from blockdraft.spec_decode.draft_length import (
     RECALIBRATE_INTERVAL,
     STEADY_AFTER,
     AcceptanceEstimate,
-    CostPrior,
     DraftLengthChooser,
-    StepCostModel,
     expected_tokens,
 )
 from blockdraft.spec_decode.draft_schedule import DraftSchedule
+from blockdraft.spec_decode.step_costs import COST_WINDOW, CostPrior, StepCostModel
 
 NUM_SPEC = 7
 
