@@ -116,7 +116,7 @@ class KernelPolicy:
         rows = self.chunked_gated_deltanet_verify_min_rows
         if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
             raise ValueError(
-                f"chunked_gated_deltanet_verify_min_rows must be an integer >= 1 or None, "
+                "chunked_gated_deltanet_verify_min_rows must be an integer >= 1 or None, "
                 f"got {rows!r}"
             )
         counts = self.cpu_weight_left_rows
