@@ -299,7 +299,9 @@ def profile_steps(
     stop_requests(llm, batch)
     kernels = device_kernels(prof)
     gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / steps
+    launches = sum(e.count for e in kernels) / steps
     rows = [[label, "step wall", wall_ms], [label, "GPU busy", gpu_ms]]
+    rows.append([label, "kernels a step (count)", launches])
     rows += [[label, e.key[:60], e.self_device_time_total / 1e3 / steps] for e in kernels[:top]]
     return rows
 

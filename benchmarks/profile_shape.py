@@ -2,6 +2,7 @@
 weights): the top kernels of AR steps at each batch size, under the engine's CUDA graphs.
 
     python -m benchmarks.profile_shape --shape qwen3.5-27b [--batches 1 32] [--top 15]
+        [--layers 8]  # the shape's first 8 layers: a 70 GB model's kernels on an 80 GB GPU
 """
 
 from __future__ import annotations
@@ -26,15 +27,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--layers", type=int, default=None, help="keep the first N layers")
     args = p.parse_args()
-    target, _ = SHAPES[args.shape].dirs()
+    shape = SHAPES[args.shape]
+    if args.layers is not None:
+        shape = shape.with_layers(args.layers)
+    target, _ = shape.dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
     llm = LLM(str(target), load_format="dummy", max_model_len=args.prompt_len + 256,
               max_num_seqs=max(args.batches))  # fmt: skip
     rows = []
     for batch in args.batches:
         rows += profile_steps(llm, prompt, args.steps, f"AR batch {batch}", batch, args.top)
-    print_table(f"{args.shape}: ms per step", ["steps", "kernel", "ms"], rows)
+    print_table(f"{shape.name}: ms per step", ["steps", "kernel", "ms"], rows)
 
 
 if __name__ == "__main__":

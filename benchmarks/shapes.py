@@ -4,6 +4,7 @@ decoded token reads (the memory-bandwidth roofline's numerator)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Callable
@@ -92,6 +93,17 @@ class BenchShape:
     bytes_per_token: Callable[[dict], int]  # weight bytes a batch-1 decode step reads
     drafter_layers: int = 5
     drafter_window: int | None = None  # sliding layers' window (all but the last); None: full
+
+    def with_layers(self, num_layers: int) -> BenchShape:
+        """The same shape cut to its first `num_layers` layers (a hybrid's `layer_types` cut
+        alike): each layer's kernels as in the whole model, for a GPU too small for it."""
+        total = self.config["num_hidden_layers"]
+        if not 1 <= num_layers <= total:
+            raise ValueError(f"{self.name} has {total} layers; cannot keep {num_layers}")
+        config = dict(self.config, num_hidden_layers=num_layers)
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_layers]
+        return dataclasses.replace(self, name=f"{self.name}-{num_layers}l", config=config)
 
     def dirs(self) -> tuple[Path, Path]:
         """A temporary target directory (config only: `load_format="dummy"`) and a DFlash

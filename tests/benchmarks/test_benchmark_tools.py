@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -257,6 +258,33 @@ def test_bench_shapes_write_a_config_the_engine_parses_and_count_decode_bytes() 
         assert (drafter / "config.json").exists()
         lm_head = 2 * hf["vocab_size"] * hf["hidden_size"]
         assert shape.bytes_per_token(shape.config) > lm_head
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3-8b"])
+def test_bench_shape_with_layers_keeps_the_first_layers(name: str) -> None:
+    """A shape cut to its first n layers keeps every other field, its first n layer types,
+    parses as its family and reads fewer bytes a token; a count it lacks is a named error."""
+    from benchmarks.shapes import SHAPES
+    from blockdraft.models.registry import resolve_architecture
+
+    shape = SHAPES[name]
+    total = shape.config["num_hidden_layers"]
+    n = random.randint(1, total - 1)
+    cut = shape.with_layers(n)
+    assert cut.name == f"{name}-{n}l" and cut.config["num_hidden_layers"] == n
+    assert shape.config["num_hidden_layers"] == total  # the shape itself is left alone
+    if "layer_types" in shape.config:
+        assert cut.config["layer_types"] == shape.config["layer_types"][:n]
+    assert set(cut.config) == set(shape.config)
+    cut_fields = ("num_hidden_layers", "layer_types")
+    assert all(v == shape.config[k] for k, v in cut.config.items() if k not in cut_fields)
+    target, _ = cut.dirs()
+    hf = json.loads((target / "config.json").read_text())
+    resolve_architecture(hf).parse_config(hf)
+    assert cut.bytes_per_token(cut.config) < shape.bytes_per_token(shape.config)
+    for bad in (0, total + 1):
+        with pytest.raises(ValueError, match=f"cannot keep {bad}"):
+            shape.with_layers(bad)
 
 
 # Every width of a bench shape cut to a CPU-sized one; the structure (GQA ratio, routing, dense
