@@ -13,16 +13,25 @@ from blockdraft.kernels.select import use_triton
 
 
 def route_torch(
-    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    router_logits: torch.Tensor,  # [num_tokens, num_experts (+ 1 with shared_expert)]
     top_k: int,
     renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k] fp32, ids int64)
+    shared_expert: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k (+ 1)] fp32, ids int64)
     """Softmax over all experts in float32, the top-k, optionally renormalised to sum to one
-    (`norm_topk_prob`)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    (`norm_topk_prob`). With `shared_expert`, the last logit column is the shared expert's
+    gate: one more slot routes every token to expert id num_experts (the shared expert stacked
+    after the routed ones) with weight sigmoid(logit), outside the softmax and the
+    renormalisation."""
+    routed = router_logits[:, :-1] if shared_expert else router_logits
+    probs = torch.softmax(routed.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if shared_expert:
+        gate = torch.sigmoid(router_logits[:, -1:].float())
+        weights = torch.cat((weights, gate), dim=-1)
+        ids = torch.cat((ids, torch.full_like(ids[:, :1], routed.shape[-1])), dim=-1)
     return weights, ids
 
 
@@ -48,7 +57,7 @@ def experts_torch(
     return out
 
 
-RouteFn = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
+RouteFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ExpertsFn = Callable[..., torch.Tensor]
 
 

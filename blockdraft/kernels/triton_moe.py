@@ -112,7 +112,9 @@ GROUPED_CONFIGS: dict[int, GroupedConfig] = {
     1 << 62: GroupedConfig(64, 128, 64, 8, 3),
 }
 DECODE_CONFIG = DecodeConfig()
-DECODE_MAX_PAIRS = 16  # up to here the per-pair GEMVs; past it experts repeat across pairs
+# Up to here the per-pair GEMVs; past it experts repeat across pairs. Two tokens of top-8 with
+# a shared expert's slot (18 pairs) still take them, as two tokens of plain top-8 (16) do.
+DECODE_MAX_PAIRS = 18
 SORT_SUB = 32  # pairs one step of the grouping compares against all experts
 
 
@@ -121,20 +123,24 @@ def pick_grouped_config(num_pairs: int) -> GroupedConfig:
 
 
 def triton_route(
-    router_logits: torch.Tensor,  # [num_tokens, num_experts]
+    router_logits: torch.Tensor,  # [num_tokens, num_experts (+ 1 with shared_expert)]
     top_k: int,
     renormalize: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k] fp32, ids int64)
+    shared_expert: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (weights [num_tokens, top_k (+ 1)] fp32, ids int64)
     """`route_torch` in one launch: softmax over all experts in fp32, the top-k (the lowest
-    index among equal probabilities), optionally renormalised to sum to one."""
+    index among equal probabilities), optionally renormalised to sum to one; with
+    `shared_expert`, the last column's sigmoid as one more slot, for expert id num_experts."""
     if router_logits.dim() != 2:
         raise ValueError(f"router logits must be [tokens, experts], got {router_logits.shape}")
     num_tokens, num_experts = router_logits.shape
+    num_experts -= int(shared_expert)
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the experts), got {top_k}")
     device = router_logits.device
-    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=device)
-    ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=device)
+    slots = top_k + int(shared_expert)
+    weights = torch.empty((num_tokens, slots), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, slots), dtype=torch.int64, device=device)
     if num_tokens == 0:
         return weights, ids
     if router_logits.stride(1) != 1:
@@ -150,6 +156,7 @@ def triton_route(
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_K=triton.next_power_of_2(top_k),
         RENORMALIZE=renormalize,
+        SHARED=shared_expert,
         PDL=pdl,
         num_warps=4 if num_experts > 256 else 1,
         **launch_options(pdl),

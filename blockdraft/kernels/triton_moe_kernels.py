@@ -15,15 +15,16 @@ from blockdraft.kernels.pdl import pdl_start
 
 @triton.jit
 def _moe_route_kernel(
-    logits_ptr,  # [T, E]
-    weights_ptr,  # [T, TOP_K] fp32
-    ids_ptr,  # [T, TOP_K] int64
-    E,
+    logits_ptr,  # [T, E] (+ the shared expert's gate column with SHARED)
+    weights_ptr,  # [T, TOP_K + SHARED] fp32
+    ids_ptr,  # [T, TOP_K + SHARED] int64
+    E,  # the routed experts
     stride_lt,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,  # next_power_of_2(E)
     BLOCK_K: tl.constexpr,  # next_power_of_2(TOP_K)
     RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,  # slot TOP_K: expert E (the shared one), weight sigmoid(logit E)
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
@@ -50,8 +51,13 @@ def _moe_route_kernel(
         work = tl.where(offs == idx, -1.0, work)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(kk < TOP_K, top_w, 0.0), axis=0)
-    tl.store(weights_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + kk, top_id, mask=kk < TOP_K)
+    out_k = TOP_K + SHARED
+    tl.store(weights_ptr + t * out_k + kk, top_w, mask=kk < TOP_K)
+    tl.store(ids_ptr + t * out_k + kk, top_id, mask=kk < TOP_K)
+    if SHARED:
+        gate = tl.load(logits_ptr + t * stride_lt + E).to(tl.float32)
+        tl.store(weights_ptr + t * out_k + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + t * out_k + TOP_K, E.to(tl.int64))
 
 
 @triton.jit

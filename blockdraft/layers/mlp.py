@@ -38,8 +38,22 @@ class MLP(nn.Module):
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
     def fuse_projections(self) -> None:
-        """One GEMM for gate and up instead of two."""
-        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        """One GEMM for gate and up instead of two (already so after `adopt_weights`)."""
+        if self._gate_up is None:
+            self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
+
+    def adopt_weights(
+        self,
+        gate_up: torch.Tensor,  # [2 * intermediate, hidden], gate rows then up rows
+        down: torch.Tensor,  # [hidden, intermediate]
+    ) -> None:
+        """Makes the parameters views of an owner's tensors holding their values (a mixture's
+        stacked experts holding its shared expert), fused as `fuse_projections` fuses them."""
+        inter = self.gate_proj.out_features
+        self.gate_proj.weight = nn.Parameter(gate_up[:inter], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(gate_up[inter:], requires_grad=False)
+        self.down_proj.weight = nn.Parameter(down, requires_grad=False)
+        self._gate_up = (gate_up, None)
 
     def forward(
         self,

@@ -23,7 +23,7 @@ from torch import nn
 from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
 from blockdraft.kernels.moe import moe_backend
 from blockdraft.kernels.select import PerDevice
-from blockdraft.layers.linear import linear
+from blockdraft.layers.linear import fuse_linears, linear
 from blockdraft.layers.mlp import MLP
 
 # A per-expert checkpoint tensor: `<prefix>.experts.<e>.{gate,up,down}_proj.weight`.
@@ -83,12 +83,47 @@ class SparseMoE(nn.Module):
             )
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self._backend = PerDevice(moe_backend)
+        # fuse_projections: the router with the shared expert's gate row, and the experts with
+        # the shared one stacked after them ([E + 1, ...]); None: separate.
+        self._router: torch.Tensor | None = None  # [E + 1, hidden]
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse_projections(self) -> None:
+        """The shared expert as one more expert: its gate row joins the router's GEMM, its
+        weights the stacked experts', and the route gives every token a last slot for it
+        weighted sigmoid(gate). A batch-1 layer then runs the router, the route and the
+        experts' three launches, instead of five more for the shared expert (its gate, sigmoid,
+        gate_up, down, and the weighted add). Only where its width is the routed experts' and
+        the experts are whole (not split over tensor-parallel ranks)."""
+        shared, experts = self.shared_expert, self.experts
+        if shared is None or self.tp is not None:
+            return
+        inter = experts.down_proj.shape[-1]
+        if shared.down_proj.in_features != inter:
+            return
+        self._router = fuse_linears(self.gate, self.shared_expert_gate)[0]
+        gate_up = torch.cat(
+            (
+                experts.gate_up_proj.detach(),
+                torch.cat((shared.gate_proj.weight, shared.up_proj.weight)).detach()[None],
+            )
+        )
+        down = torch.cat((experts.down_proj.detach(), shared.down_proj.weight.detach()[None]))
+        num = gate_up.shape[0] - 1
+        experts.gate_up_proj = nn.Parameter(gate_up[:num], requires_grad=False)
+        experts.down_proj = nn.Parameter(down[:num], requires_grad=False)
+        shared.adopt_weights(gate_up[num], down[num])
+        self._stacked = (gate_up, down)
 
     def forward(
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         route, experts = self._backend(x.device)
+        if self._stacked is not None:
+            logits = linear(x, self._router)  # [num_tokens, E + 1]: the shared gate last
+            weights, ids = route(logits, self.top_k, self.renormalize, shared_expert=True)
+            return experts(x, *self._stacked, weights, ids)
         weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.tp is not None:
             weights, ids = self.experts.local_routes(weights, ids)

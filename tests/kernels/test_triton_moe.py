@@ -83,6 +83,26 @@ def test_route_matches_twin(rng, tokens, experts, top_k, renormalize, dtype) -> 
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k,renormalize", [(1, 128, 8, True), (6, 6, 2, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_route_with_a_shared_expert_matches_twin(rng, tokens, experts, top_k, renormalize, dtype):
+    """The shared expert's gate in the last logit column: the routed slots as without it, one
+    more slot for expert id `experts` weighted sigmoid(gate)."""
+    logits = torch.cat(
+        (distinct_logits(rng, tokens, experts, dtype), randn(rng, tokens, 1).to(dtype)), dim=1
+    )
+    weights, ids = triton_route(logits, top_k, renormalize, shared_expert=True)
+    expected_weights, expected_ids = route_torch(logits, top_k, renormalize, shared_expert=True)
+    assert weights.shape == ids.shape == (tokens, top_k + 1)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    routed_weights, routed_ids = triton_route(logits[:, :-1], top_k, renormalize)
+    assert torch.equal(ids[:, :top_k], routed_ids) and (ids[:, top_k] == experts).all()
+    torch.testing.assert_close(weights[:, :top_k], routed_weights, rtol=0, atol=0)
+    gate = torch.sigmoid(logits[:, -1].float())
+    torch.testing.assert_close(weights[:, top_k], gate, rtol=1e-6, atol=1e-7)
+
+
 def test_route_ties_take_the_lowest_index_and_nan_rows_stay_valid(rng) -> None:
     logits = randn(rng, 3, 10)
     logits[0] = 0.5  # all equal
@@ -208,6 +228,8 @@ def test_bad_arguments_are_value_errors(rng) -> None:
     weights, ids = routing(rng, 2, 4, 2)
     with pytest.raises(ValueError, match="top_k"):
         triton_route(randn(rng, 2, 4), 5, True)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, 3\]"):  # a gate column
+        triton_route(randn(rng, 2, 4), 4, True, shared_expert=True)
     with pytest.raises(ValueError, match="w_down"):
         triton_experts(x, w_gate_up, w_down[:, :, :-1], weights, ids)
     with pytest.raises(ValueError, match="dtype"):

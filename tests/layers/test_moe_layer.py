@@ -67,6 +67,77 @@ def test_matches_transformers_block(rng, shared: bool, backend: str, num_tokens:
     torch.testing.assert_close(got, expected.reshape(x.shape), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(
+    "backend,num_tokens",
+    [
+        ("torch", 9),
+        pytest.param("triton", 1, marks=needs_triton),
+        pytest.param("triton", 2, marks=needs_triton),
+        pytest.param("triton", 12, marks=needs_triton),
+    ],
+)
+def test_shared_expert_fused_as_one_more_expert(rng, backend: str, num_tokens: int) -> None:
+    """With the shared expert as wide as the routed ones, `fuse_projections` stacks it after
+    them and its gate row after the router's: the layer then matches transformers' block and
+    its own unfused forward, keeps its state dict, holds each weight once (the shared expert's
+    parameters are views of the stack) and routes through one route and one experts call."""
+    cfg = Qwen3NextConfig(
+        hidden_size=HIDDEN,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        moe_intermediate_size=INTER,
+        shared_expert_intermediate_size=INTER,
+        norm_topk_prob=True,
+    )
+    ref = Qwen3NextSparseMoeBlock(cfg).float().eval()
+    randomize(ref, rng)
+    ours = SparseMoE(HIDDEN, EXPERTS, TOP_K, INTER, True, INTER)
+    ours.load_state_dict(ref.state_dict(), strict=True)
+    x = torch.randn(num_tokens, HIDDEN, generator=rng)
+    device = DEVICE if backend == "triton" else torch.device("cpu")
+    ours, xd = ours.to(device), x.to(device)
+    with torch.no_grad(), use_kernel_policy(KernelPolicy(backend=backend)):
+        unfused = ours(xd).cpu()
+        ours.fuse_projections()
+        ours.shared_expert.fuse_projections()  # as the loader reaches it: left as adopted
+        fused = ours(xd).cpu()
+        expected = ref(x[None])
+    expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(x.shape)
+    tol = 1e-5 if device.type == "cpu" else 1e-4
+    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
+    torch.testing.assert_close(fused, unfused, rtol=tol, atol=tol)
+    state = ours.state_dict()
+    assert state.keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(state[name].cpu(), value), name
+    gate_up, down = ours._stacked
+    assert gate_up.shape[0] == down.shape[0] == EXPERTS + 1
+    shared = ours.shared_expert
+    for param, owner in [
+        (ours.experts.gate_up_proj, gate_up),
+        (shared.gate_proj.weight, gate_up),
+        (shared.up_proj.weight, gate_up),
+        (ours.experts.down_proj, down),
+        (shared.down_proj.weight, down),
+        (ours.shared_expert_gate.weight, ours._router),
+    ]:
+        assert param.untyped_storage().data_ptr() == owner.untyped_storage().data_ptr()
+
+
+def test_shared_expert_of_another_width_stays_apart(rng) -> None:
+    """A shared expert wider than the routed ones cannot stack with them: the layer keeps its
+    own shared-expert path after `fuse_projections`, with the same output."""
+    layer = SparseMoE(HIDDEN, EXPERTS, TOP_K, INTER, True, SHARED)
+    randomize(layer, rng)
+    x = torch.randn(5, HIDDEN, generator=rng)
+    with torch.no_grad():
+        before = layer(x)
+        layer.fuse_projections()
+        after = layer(x)
+    assert layer._stacked is None
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
 def test_calls_the_backend_pair(rng, monkeypatch) -> None:
     """The layer routes and runs its experts through `moe_backend`, with its own top-k and
     renormalisation."""

@@ -31,6 +31,8 @@ CASES = {
         layer_types=("full_attention", "linear_attention", "linear_attention"),
         num_layers=3,
     ),
+    # As published (Qwen3.5-35B-A3B: 512 and 512): the shared expert stacks with the routed ones.
+    "top2-shared-as-wide": dict(top_k=2, shared_expert_intermediate_size=16),
 }
 
 
@@ -48,6 +50,8 @@ def test_greedy_matches_transformers(tmp_path: Path, case: str, rng) -> None:
     layers = llm.engine.model.model.layers
     assert all(isinstance(layer.mlp, SparseMoE) for layer in layers)
     assert all(layer.mlp.shared_expert is not None for layer in layers)
+    stacked = CASES[case].get("shared_expert_intermediate_size") == 16  # the routed width
+    assert all((layer.mlp._stacked is not None) == stacked for layer in layers)
     assert greedy(llm, prompts, 10) == hf_greedy(target, prompts, 10)
 
 
