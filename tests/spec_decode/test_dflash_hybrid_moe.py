@@ -17,19 +17,30 @@ from checkpoints import load_hf_target, make_dflash_drafter, make_hybrid_moe_che
 from sampling_checks import assert_same_token_law, seeded_samples
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_greedy_lossless_and_bonus_tokens(tmp_path: Path, family: str, rng) -> None:
+@pytest.mark.parametrize(
+    "family,moe",
+    [
+        ("qwen3_5_moe", {}),
+        ("qwen3_next", {}),
+        # As published: the shared expert as wide as the routed ones, stacked after them.
+        ("qwen3_5_moe", {"shared_expert_intermediate_size": 16}),
+    ],
+    ids=["qwen3_5_moe", "qwen3_next", "qwen3_5_moe-shared-stacked"],
+)
+def test_greedy_lossless_and_bonus_tokens(tmp_path: Path, family: str, moe: dict, rng) -> None:
     """Speculative greedy output equals plain decoding's; under synthetic acceptance (random
     prefixes of random drafts kept) every bonus token is the target's greedy choice given
     everything committed before, which only holds when the states end at the kept drafts."""
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
-    target = make_hybrid_moe_checkpoint(tmp_path / "target", family, num_layers=4, seed=seed)
+    target = make_hybrid_moe_checkpoint(tmp_path / "target", family, num_layers=4, seed=seed, **moe)
     drafter = make_dflash_drafter(tmp_path / "drafter", target, block_size=8, **DRAFTER_LAYERS)
     prompts = [torch.randint(4, 128, (k,), generator=rng).tolist() for k in (1, 9, 23)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     setup = dict(block_size=4, max_num_batched_tokens=16)
     ar = LLM(str(target), **setup).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(target), speculative_config=spec(drafter, 5), **setup)
+    stacked = [layer.mlp._stacked is not None for layer in llm.engine.model.model.layers]
+    assert all(stacked) == bool(moe) and any(stacked) == bool(moe)
     sd = llm.generate(prompts, params, use_tqdm=False)
     assert [s.outputs[0].token_ids for s in sd] == [a.outputs[0].token_ids for a in ar]
     assert len(llm.engine.block_manager.free_state_slots) == llm.engine.config.max_num_seqs
