@@ -23,7 +23,11 @@ import torch
 from benchmarks.common import hardware, print_table, time_eager, time_graph
 
 # (key heads, value heads, key dim, value dim, conv taps)
-HEADS = {"qwen3.5-27b": (16, 48, 128, 128, 4), "tiny": (2, 6, 16, 16, 4)}
+HEADS = {
+    "qwen3.5-27b": (16, 48, 128, 128, 4),
+    "qwen3.5-35b-a3b": (16, 32, 128, 128, 4),  # also Qwen3-Next-80B-A3B's
+    "tiny": (2, 6, 16, 16, 4),
+}
 
 
 def time_us(fn: Callable[[], object], graphed: bool, reps: int) -> float:
