@@ -4,7 +4,8 @@ optionally a shared expert every token goes through, scaled by a sigmoid gate (Q
 Qwen3.5-MoE). Parameter names follow transformers 5 (`gate.weight`,
 `experts.gate_up_proj`, `experts.down_proj`, `shared_expert.*`, `shared_expert_gate.weight`)
 so that state dicts match; checkpoints with one tensor per expert are stacked at load
-(`expert_tensor_slice`).
+(`expert_tensor_slice`). For inference a shared expert as wide as the routed ones joins their
+stack (`SparseMoE.fuse_projections`): the kernels run it as one more expert every token picks.
 
 Under tensor parallelism each rank holds a contiguous range of the experts (`num_experts`
 divisible by the ranks) and the router whole: every rank routes every token alike, runs its own
