@@ -97,6 +97,7 @@ def bench_batch(
     accepted: int,
     chunked_block_v: list[int],
     chunked_warps: list[int],
+    decode_v_splits: list[int],
     device: torch.device,
     dtype: torch.dtype,
     reps: int,
@@ -130,6 +131,18 @@ def bench_batch(
         reps,
     )
     results.append(("decode", *times, err))
+    value_blocks = -(-heads[3] // min(1 << (heads[3] - 1).bit_length(), 32))  # the kernel's
+    for v_splits in (v for v in decode_v_splits if v <= value_blocks):
+        split = [p.clone() for p in pools]
+
+        def decode_split(p=split, v_splits=v_splits) -> torch.Tensor:
+            return triton_gated_deltanet_decode(
+                *projections, *weights, *p, slots, fresh, v_splits=v_splits
+            )
+
+        err = max_diff(decode_split(), want)
+        times[1] = time_us(decode_split, True, reps)
+        results.append((f"decode, heads split over {v_splits} programs", *times, err))
 
     projections, weights, twin, block = verify_inputs(heads, batch, rows, device, dtype)
     kernel = [p.clone() for p in twin]
@@ -187,6 +200,14 @@ def main(argv: list[str] | None = None) -> None:
         help="value dims a program of the chunked verify holds (one row each)",
     )
     p.add_argument("--chunked-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument(
+        "--decode-v-splits",
+        type=int,
+        nargs="*",
+        default=[2, 4],
+        help="programs the decode kernel splits each value head over (one timed row each; "
+        "counts past the head's blocks of 32 value dims are left out)",
+    )
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args(argv)
     if not 1 <= args.accepted <= min(args.rows):
@@ -204,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
             args.accepted,
             args.chunked_block_v,
             args.chunked_warps,
+            args.decode_v_splits,
             device,
             dtype,
             args.reps,

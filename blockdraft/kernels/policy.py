@@ -61,6 +61,9 @@ class KernelPolicy:
     # A Gated DeltaNet layer's decode rows (one row a sequence, no verify block) run its whole
     # token mixer (conv, gates, recurrence, gated norm) in one kernel, not ~30 small launches.
     fuse_gated_deltanet_decode: bool = True
+    # That kernel splits each value head's dims over more programs until a launch has about
+    # this many (one request on a 132-SM GPU has 32-48 heads: a program each); 0: never.
+    gated_deltanet_decode_fill_programs: int = 0
     # A Gated DeltaNet layer's verify forwards (every sequence a verify block) run its token
     # mixer in one kernel, and the state commit after them in one more per layer (Qwen3.5-27B
     # shapes, DFlash step at batch 1 / 8: 34.9 / 48.0 -> 25.5 / 35.1 ms).

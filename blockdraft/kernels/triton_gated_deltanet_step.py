@@ -11,6 +11,11 @@ The programs of the value heads that share a key head all read that key head's q
 the one that arrives last (an atomic counter per (sequence, key head), reset by it) shifts that
 state, so none reads a state already shifted. Each program shifts its own value channels.
 
+With few sequences (one request's decode: 32-48 programs on a GPU of 132 SMs) a head's value
+dims can be split over `v_splits` programs, each advancing its own columns of the state: they
+leave their sums of squares in a scratch row and arrive on a second counter (per sequence and
+value head), and the last to arrive norms the whole head, summing the parts in order.
+
 `gated_deltanet_decode_torch` (blockdraft.kernels.gated_delta_rule) is the specification: same
 arguments, same roundings to the tensors' dtypes (reductions may round in a different order).
 """
@@ -79,6 +84,35 @@ def _shift_conv_state(
 
 
 @triton.jit
+def _norm_head(
+    out_head_ptr,  # [Dv] the head's un-normed output, normed in place
+    norm_weight_ptr,  # [Dv]
+    gate_ptr,  # [Dv] the head's z
+    sum_sq,  # fp32: the head's sum of squares
+    Dv,
+    norm_eps,
+    BV: tl.constexpr,
+    ROUND_PRODUCT: tl.constexpr,
+):
+    """RMSNorm of the head's output gated by silu(z), in place (rounded as the twin rounds)."""
+    out_ty = out_head_ptr.dtype.element_ty
+    rstd = tl.rsqrt(sum_sq / Dv + norm_eps)
+    for v0 in range(0, Dv, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        mask_v = offs_v < Dv
+        core = tl.load(out_head_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        w = tl.load(norm_weight_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        y = (core * rstd).to(out_ty).to(tl.float32) * w
+        if ROUND_PRODUCT:
+            y = y.to(out_ty).to(tl.float32)
+        gate = tl.load(gate_ptr + offs_v, mask=mask_v, other=0.0)
+        gate = gate.to(tl.float32)
+        y = y * (gate / (1.0 + tl.exp(-gate)))
+        tl.debug_barrier()  # every copy of the un-normed block is read before it is replaced
+        tl.store(out_head_ptr + offs_v, y.to(out_ty), mask=mask_v)
+
+
+@triton.jit
 def _gated_deltanet_decode_kernel(
     qkv_ptr,  # [S, conv_dim] row stride stride_qkv: q | k | v channels
     ba_ptr,  # [S, 2 * Hv] row stride stride_ba: b then a
@@ -91,7 +125,8 @@ def _gated_deltanet_decode_kernel(
     state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
     slots_ptr,  # [S] int64 (-1: the last slot)
     fresh_ptr,  # [S] bool
-    counters_ptr,  # [>= S * Hk] int32 zeros; left as zeros
+    counters_ptr,  # [>= S * Hk (+ S * Hv with V_SPLITS > 1)] int32 zeros; left as zeros
+    partial_ptr,  # [S * Hv * V_SPLITS] float32: each part's sum of squares (V_SPLITS > 1)
     out_ptr,  # [S, Hv * Dv] contiguous, qkv's dtype
     stride_qkv,
     stride_ba,
@@ -110,11 +145,13 @@ def _gated_deltanet_decode_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     ROUND_PRODUCT: tl.constexpr,  # norm weight * normed x is rounded to the output dtype
+    V_SPLITS: tl.constexpr,  # programs a value head's dims are split over
     PDL: tl.constexpr,  # launched with programmatic dependent launch (blockdraft.kernels.pdl)
 ):
     pdl_start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    part = tl.program_id(2)
     k_head = head // groups
     out_ty = out_ptr.dtype.element_ty
     conv_dim = 2 * Hk * Dk + Hv * Dv
@@ -136,7 +173,7 @@ def _gated_deltanet_decode_kernel(
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + l2_eps)
     tl.debug_barrier()
     counter = counters_ptr + seq * Hk + k_head
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == groups - 1:
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == groups * V_SPLITS - 1:
         tl.store(counter, 0)  # ready for the next launch
         _shift_conv_state(row_ptr, conv_slot_ptr, q_ch, mask_k, keep, conv_dim, K, KP)
         _shift_conv_state(row_ptr, conv_slot_ptr, k_ch, mask_k, keep, conv_dim, K, KP)
@@ -149,10 +186,14 @@ def _gated_deltanet_decode_kernel(
 
     state_head_ptr = state_ptr + (slot * Hv + head) * Dk * Dv
     out_head_ptr = out_ptr + (seq * Hv + head) * Dv
+    # This program's value dims: whole blocks of BV, the last part's cut at Dv.
+    part_len = tl.cdiv(tl.cdiv(Dv, BV), V_SPLITS) * BV
+    v_start = part * part_len
+    v_stop = tl.minimum(v_start + part_len, Dv)
     sum_sq = 0.0
-    for v0 in range(0, Dv, BV):
+    for v0 in range(v_start, v_stop, BV):
         offs_v = v0 + tl.arange(0, BV)
-        mask_v = offs_v < Dv
+        mask_v = offs_v < v_stop
         mask = mask_k[:, None] & mask_v[None, :]
         state_ptrs = state_head_ptr + offs_k[:, None].to(tl.int64) * Dv + offs_v[None, :]
         state = tl.load(state_ptrs, mask=mask & keep, other=0.0)  # in flight over the shift
@@ -169,22 +210,25 @@ def _gated_deltanet_decode_kernel(
         tl.store(out_head_ptr + offs_v, core, mask=mask_v)
         core = core.to(tl.float32)
         sum_sq += tl.sum(tl.where(mask_v, core * core, 0.0), axis=0)
-    # The second pass reads the un-normed output that other threads of the program stored.
+    # The second pass reads the un-normed output that other threads of the program stored
+    # (with V_SPLITS > 1, other programs too: the last of the head's parts to arrive runs it,
+    # over the sums of squares in part order).
     tl.debug_barrier()
-    rstd = tl.rsqrt(sum_sq / Dv + norm_eps)
-    for v0 in range(0, Dv, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        mask_v = offs_v < Dv
-        core = tl.load(out_head_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        w = tl.load(norm_weight_ptr + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        y = (core * rstd).to(out_ty).to(tl.float32) * w
-        if ROUND_PRODUCT:
-            y = y.to(out_ty).to(tl.float32)
-        gate = tl.load(z_ptr + seq * stride_z + head * Dv + offs_v, mask=mask_v, other=0.0)
-        gate = gate.to(tl.float32)
-        y = y * (gate / (1.0 + tl.exp(-gate)))
-        tl.debug_barrier()  # every copy of the un-normed block is read before it is replaced
-        tl.store(out_head_ptr + offs_v, y.to(out_ty), mask=mask_v)
+    last = True
+    if V_SPLITS > 1:
+        partials = partial_ptr + (seq * Hv + head) * V_SPLITS
+        tl.store(partials + part, sum_sq)
+        tl.debug_barrier()
+        arrived = counters_ptr + (tl.num_programs(0) * Hk + seq * Hv + head)
+        last = tl.atomic_add(arrived, 1, sem="acq_rel", scope="gpu") == V_SPLITS - 1
+        if last:
+            tl.store(arrived, 0)  # ready for the next launch
+            sum_sq = 0.0
+            for p in tl.static_range(V_SPLITS):
+                sum_sq += tl.load(partials + p, volatile=True)
+    if last:
+        _norm_head(out_head_ptr, norm_weight_ptr, z_ptr + seq * stride_z + head * Dv, sum_sq,
+                   Dv, norm_eps, BV, ROUND_PRODUCT)  # fmt: skip
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -206,11 +250,15 @@ def triton_gated_deltanet_decode(
     state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 contiguous
     slots: torch.Tensor,  # [S] int64 each sequence's slot (-1: the spare last)
     fresh: torch.Tensor,  # [S] bool: start from zero states
-    counters: torch.Tensor | None = None,  # [>= S * Hk] int32 zeros, kept between launches
+    counters: torch.Tensor | None = None,  # [>= S * (Hk + Hv)] int32 zeros, kept between launches
     block_v: int | None = None,  # value dims of a program's state block (default: up to 32)
+    v_splits: int | None = None,  # programs each value head's dims are split over
+    fill_programs: int = 0,  # v_splits None: split until the launch has about this many
 ) -> torch.Tensor:  # [S, Hv * Dv] qkv's dtype
     """`gated_deltanet_decode_torch` in one launch. `counters` (zeros, left as zeros) saves an
-    allocation per call."""
+    allocation per call. `v_splits` > 1 spreads a head's value dims over that many programs
+    (more programs for few sequences; the last of a head's parts to finish norms the head);
+    None: as many as bring the S * Hv programs up to `fill_programs` (0: no split)."""
     s, conv_dim = qkv.shape
     hv, dv = b_a.shape[-1] // 2, norm_weight.shape[0]
     hk, k_taps = num_k_heads, conv_weight.shape[-1]
@@ -218,22 +266,32 @@ def triton_gated_deltanet_decode(
     out = torch.empty(s, hv * dv, dtype=qkv.dtype, device=qkv.device)
     if s == 0:
         return out
-    if counters is None or counters.numel() < s * hk:
-        counters = torch.zeros(s * hk, dtype=torch.int32, device=qkv.device)
     bk = triton.next_power_of_2(dk)
     # Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads
     # spill heavily (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes).
     bv = block_v or min(triton.next_power_of_2(dv), 32)
+    if v_splits is None:
+        v_splits = max(1, min(triton.cdiv(dv, bv), fill_programs // (s * hv)))
+    if not 1 <= v_splits <= triton.cdiv(dv, bv):
+        raise ValueError(
+            f"v_splits {v_splits} must be in [1, {triton.cdiv(dv, bv)}] (value blocks of {bv})"
+        )
+    need = s * hk + (s * hv if v_splits > 1 else 0)
+    if counters is None or counters.numel() < need:
+        counters = torch.zeros(need, dtype=torch.int32, device=qkv.device)
+    partial = out  # unread with one part
+    if v_splits > 1:
+        partial = torch.empty(s * hv * v_splits, dtype=torch.float32, device=qkv.device)
     qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
     round_product = torch.result_type(norm_weight, out) == out.dtype != torch.float32
     pdl = pdl_enabled(qkv.device)
-    _gated_deltanet_decode_kernel[(s, hv)](
+    _gated_deltanet_decode_kernel[(s, hv, v_splits)](
         qkv, b_a, z, conv_weight.contiguous(), a_log, dt_bias, norm_weight,
-        conv_pool, state_pool, slots, fresh, counters, out,
+        conv_pool, state_pool, slots, fresh, counters, partial, out,
         qkv.stride(0), b_a.stride(0), z.stride(0),
         state_pool.shape[0], hk, hv, dk, dv, hv // hk, dk**-0.5, 1e-6, norm_eps,
         K=k_taps, KP=triton.next_power_of_2(k_taps - 1), BK=bk, BV=bv,
-        ROUND_PRODUCT=round_product,
+        ROUND_PRODUCT=round_product, V_SPLITS=v_splits,
         PDL=pdl, num_warps=4, **launch_options(pdl),
     )  # fmt: skip
     return out

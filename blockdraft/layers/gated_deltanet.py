@@ -160,7 +160,7 @@ class GatedDeltaNet(nn.Module):
         self._fused_commit = PerDevice(get_gated_deltanet_commit_backend)  # Triton on CUDA
         # Arrivals of a fused launch's programs, left zeroed: per (sequence, key head) in a
         # decode, per (sequence, value head) in a verify.
-        self.arrival_counters: torch.Tensor | None = None  # [num_slots * Hv] int32
+        self.arrival_counters: torch.Tensor | None = None  # [num_slots * (Hk + Hv)] int32
         self._in_proj: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse_projections
 
     def fuse_projections(self) -> None:
@@ -191,7 +191,10 @@ class GatedDeltaNet(nn.Module):
         self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
         self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
-        self.arrival_counters = torch.zeros(num_slots * hv, dtype=torch.int32, device=device)
+        # A decode's programs arrive per (sequence, key head), and with split heads also per
+        # (sequence, value head); a verify's per (sequence, value head).
+        counters = num_slots * (self.num_k_heads + hv)
+        self.arrival_counters = torch.zeros(counters, dtype=torch.int32, device=device)
 
     def forward(
         self,
@@ -212,8 +215,9 @@ class GatedDeltaNet(nn.Module):
                    self.norm.weight, self.norm.eps, self.num_k_heads)  # fmt: skip
         pools = (self.conv_state, self.recurrent_state)
         if (decode := self._decode_kernel(meta, qkv)) is not None:
+            fill = current_kernel_policy().gated_deltanet_decode_fill_programs
             out = decode(qkv, ba, z, *weights, *pools, meta.state_slots, meta.fresh,
-                         self.arrival_counters)  # fmt: skip
+                         self.arrival_counters, fill_programs=fill)  # fmt: skip
         elif (verify := self._verify_kernel(meta, qkv)) is not None:
             out = verify(
                 qkv, ba, z, *weights, *pools, self.stash_qkv, self.stash_mixed, self.stash_gb,

@@ -43,12 +43,20 @@ def step_inputs(rng, s: int, hv: int, dv: int, conv_dim: int, dtype: torch.dtype
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "heads, dims, taps, block_v",
-    [((2, 6), (12, 40), 4, None), ((1, 2), (16, 24), 3, 8), ((3, 3), (8, 8), 4, None)],
+    "heads, dims, taps, block_v, v_splits",
+    [
+        ((2, 6), (12, 40), 4, None, 1),
+        ((1, 2), (16, 24), 3, 8, 1),
+        ((3, 3), (8, 8), 4, None, 1),
+        ((2, 6), (12, 40), 4, 8, 5),  # one block a part, the last cut at 40
+        ((1, 2), (16, 24), 3, 8, 2),  # two blocks, then one
+        ((2, 4), (8, 32), 4, 8, 3),  # two blocks each, the third part empty
+    ],
 )
 def test_decode_step_matches_twin(
-    rng, dtype: torch.dtype, heads: tuple, dims: tuple, taps: int, block_v: int | None
-) -> None:
+    rng, dtype: torch.dtype, heads: tuple, dims: tuple, taps: int, block_v: int | None,
+    v_splits: int,
+) -> None:  # fmt: skip
     (hk, hv), (dk, dv) = heads, dims
     conv_dim, s = 2 * hk * dk + hv * dv, len(SLOTS)
     params = layer_params(rng, hk, hv, dk, dv, taps, dtype)
@@ -56,7 +64,7 @@ def test_decode_step_matches_twin(
     state_pool = randn(rng, NUM_SLOTS, hv, dk, dv)
     slots = torch.tensor(SLOTS, device=DEVICE)
     fresh = torch.tensor(FRESH, device=DEVICE)
-    counters = torch.zeros(s * hk + 5, dtype=torch.int32, device=DEVICE)
+    counters = torch.zeros(s * (hk + hv) + 5, dtype=torch.int32, device=DEVICE)
     want_pools = (conv_pool.clone(), state_pool.clone())
     got_pools = (conv_pool.clone(), state_pool.clone())
     for step in range(2):  # the second continues from the first's states
@@ -64,8 +72,9 @@ def test_decode_step_matches_twin(
         args = (qkv, b_a, z, *params[:3], params[3], 1e-6, hk)
         want = gated_deltanet_decode_torch(*args, *want_pools, slots, fresh & (step == 0))
         got = triton_gated_deltanet_decode(
-            *args, *got_pools, slots, fresh & (step == 0), counters, block_v=block_v
-        )
+            *args, *got_pools, slots, fresh & (step == 0), counters, block_v=block_v,
+            v_splits=v_splits,
+        )  # fmt: skip
         assert got.dtype == want.dtype and got.shape == want.shape
         assert_near(got, want, dtype, bf16_max=1.0, bf16_mean=0.015)
         assert torch.equal(got_pools[0], want_pools[0]), step  # conv states: copies of inputs
@@ -74,6 +83,31 @@ def test_decode_step_matches_twin(
     untouched = [1, 2, 4]
     assert torch.equal(got_pools[0][untouched], conv_pool[untouched])
     assert torch.equal(got_pools[1][untouched], state_pool[untouched])
+
+
+@needs_triton
+def test_split_heads_equal_whole_heads_bit_for_bit(rng) -> None:
+    """In float32, splitting each head's value dims over programs (one state block each) gives
+    the unsplit kernel's outputs and states exactly: the parts' sums of squares add in the
+    order the unsplit loop adds its blocks. A split count past the blocks is a named error."""
+    hk, hv, dk, dv, taps = 2, 4, 8, 32, 4
+    conv_dim, s = 2 * hk * dk + hv * dv, len(SLOTS)
+    params = layer_params(rng, hk, hv, dk, dv, taps, torch.float32)
+    pools = (randn(rng, NUM_SLOTS, taps - 1, conv_dim), randn(rng, NUM_SLOTS, hv, dk, dv))
+    qkv, b_a, z = step_inputs(rng, s, hv, dv, conv_dim, torch.float32)
+    args = (qkv, b_a, z, *params[:3], params[3], 1e-6, hk)
+    slots, fresh = torch.tensor(SLOTS, device=DEVICE), torch.tensor(FRESH, device=DEVICE)
+    results = []
+    for v_splits in (1, 4):
+        run_pools = [p.clone() for p in pools]
+        out = triton_gated_deltanet_decode(
+            *args, *run_pools, slots, fresh, block_v=8, v_splits=v_splits
+        )
+        results.append((out, *run_pools))
+    for whole, split in zip(*results, strict=True):
+        assert torch.equal(whole, split)
+    with pytest.raises(ValueError, match=r"v_splits 5 must be in \[1, 4\]"):
+        triton_gated_deltanet_decode(*args, *pools, slots, fresh, block_v=8, v_splits=5)
 
 
 @needs_triton

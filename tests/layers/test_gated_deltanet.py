@@ -97,6 +97,43 @@ def test_decode_forward_takes_the_kernel(rng, set_policy, monkeypatch, dtype) ->
     assert len(calls) == 2
 
 
+def test_decode_fill_policy_splits_heads_to_the_same_result(rng, set_policy, monkeypatch) -> None:
+    """`gated_deltanet_decode_fill_programs` reaches the decode kernel, whose heads of 64
+    value dims (two blocks) then split over two programs: in float32 the outputs and states
+    equal the unsplit launch's exactly."""
+    seen = []
+    kernel = triton_gated_deltanet_step.triton_gated_deltanet_decode
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["fill_programs"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_gated_deltanet_step, "triton_gated_deltanet_decode", spy)
+    layers = []
+    for _ in range(2):
+        layer = GatedDeltaNet(32, 2, 4, 8, 64, 4, 1e-6).requires_grad_(False)
+        layer.to(DEVICE).allocate_states(5, 0, torch.float32, DEVICE)
+        layers.append(layer)
+    layers[1].load_state_dict(layers[0].state_dict())
+    with torch.no_grad():
+        for p in layers[0].parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=rng))
+        layers[1].load_state_dict(layers[0].state_dict())
+        for name in ("conv_state", "recurrent_state"):
+            state = torch.randn(getattr(layers[0], name).shape, generator=rng).to(DEVICE)
+            for layer in layers:
+                getattr(layer, name).copy_(state)
+    x = torch.randn(3, 32, generator=rng).to(DEVICE)
+    outs = []
+    for layer, fill in zip(layers, (0, 64), strict=True):
+        set_policy(backend="triton", gated_deltanet_decode_fill_programs=fill)
+        outs.append(run(layer, x, [3, 0, 1], [7, 2, 5], [1, 1, 1], [False] * 3))
+    assert seen == [0, 64]
+    assert torch.equal(outs[0], outs[1])
+    for name in ("conv_state", "recurrent_state"):
+        assert torch.equal(getattr(layers[0], name), getattr(layers[1], name))
+
+
 # A block of 4 rows takes the chunked form when the policy's minimum is at most 4.
 @pytest.mark.parametrize("min_rows, chunked", [(None, False), (4, True), (5, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
