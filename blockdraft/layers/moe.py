@@ -93,9 +93,9 @@ class SparseMoE(nn.Module):
         """The shared expert as one more expert: its gate row joins the router's GEMM, its
         weights the stacked experts', and the route gives every token a last slot for it
         weighted sigmoid(gate). A batch-1 layer then runs the router, the route and the
-        experts' three launches, instead of five more for the shared expert (its gate, sigmoid,
-        gate_up, down, and the weighted add). Only where its width is the routed experts' and
-        the experts are whole (not split over tensor-parallel ranks)."""
+        experts' three launches, without six more for the shared expert (its gate GEMM, the
+        sigmoid, gate_up, down, the product and the sum). Only where its width is the routed
+        experts' and the experts are whole (not split over tensor-parallel ranks)."""
         shared, experts = self.shared_expert, self.experts
         if shared is None or self.tp is not None:
             return

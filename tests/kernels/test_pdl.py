@@ -138,7 +138,7 @@ variants = {
                                    dict(BLOCK=8192, HAS_RESIDUAL=True, OFFSET=True), {}),
     "silu mul": (_silu_mul_kernel, dict(BLOCK=1024), {}),
     "gated deltanet decode": (_gated_deltanet_decode_kernel,
-                              dict(K=4, KP=4, BK=128, BV=32, ROUND_PRODUCT=True), {}),
+                              dict(K=4, KP=4, BK=128, BV=32, ROUND_PRODUCT=True, V_SPLITS=4), {}),
 }
 out = {}
 for name, (kernel, const, kw) in variants.items():
