@@ -62,8 +62,16 @@ class KernelPolicy:
     # token mixer (conv, gates, recurrence, gated norm) in one kernel, not ~30 small launches.
     fuse_gated_deltanet_decode: bool = True
     # That kernel splits each value head's dims over more programs until a launch has about
-    # this many (one request on a 132-SM GPU has 32-48 heads: a program each); 0: never.
+    # this many (one request on a 132-SM GPU has 32-48 heads: a program each); 0: never. Off:
+    # on an H100 the 35B-A3B heads' kernel at batch 1 took 10.5 -> 8.4 us (4 parts), but 8
+    # layers' AR step 1.016 -> 1.023 ms (within noise).
     gated_deltanet_decode_fill_programs: int = 0
+    # A mixture whose shared expert is stacked with its routed ones (`SparseMoE.
+    # fuse_projections`) runs it as one more routed slot for forwards of at most this many
+    # tokens, and apart (its own GEMMs) above: on an H100, 8 layers of Qwen3.5-35B-A3B shapes,
+    # AR step at batch 1 1.133 -> 1.016 ms with the slot, at batch 8 (the grouped experts path)
+    # 2.013 -> 2.088.
+    moe_shared_slot_max_tokens: int = 2
     # A Gated DeltaNet layer's verify forwards (every sequence a verify block) run its token
     # mixer in one kernel, and the state commit after them in one more per layer (Qwen3.5-27B
     # shapes, DFlash step at batch 1 / 8: 34.9 / 48.0 -> 25.5 / 35.1 ms).

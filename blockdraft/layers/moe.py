@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from blockdraft.distributed.tensor_parallel import Shard, current_tensor_parallel, tag_shard
+from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.moe import moe_backend
 from blockdraft.kernels.select import PerDevice
 from blockdraft.layers.linear import fuse_linears, linear
@@ -94,8 +95,10 @@ class SparseMoE(nn.Module):
         weights the stacked experts', and the route gives every token a last slot for it
         weighted sigmoid(gate). A batch-1 layer then runs the router, the route and the
         experts' three launches, without six more for the shared expert (its gate GEMM, the
-        sigmoid, gate_up, down, the product and the sum). Only where its width is the routed
-        experts' and the experts are whole (not split over tensor-parallel ranks)."""
+        sigmoid, gate_up, down, the product and the sum); larger forwards run it apart
+        (`KernelPolicy.moe_shared_slot_max_tokens`), its gate still in the router's GEMM. Only
+        where its width is the routed experts' and the experts are whole (not split over
+        tensor-parallel ranks)."""
         shared, experts = self.shared_expert, self.experts
         if shared is None or self.tp is not None:
             return
@@ -121,17 +124,22 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
         route, experts = self._backend(x.device)
-        if self._stacked is not None:
-            logits = linear(x, self._router)  # [num_tokens, E + 1]: the shared gate last
-            weights, ids = route(logits, self.top_k, self.renormalize, shared_expert=True)
-            return experts(x, *self._stacked, weights, ids)
-        weights, ids = route(linear(x, self.gate.weight), self.top_k, self.renormalize)
+        if self._stacked is None:
+            logits, shared_logit = linear(x, self.gate.weight), None
+        else:  # one GEMM: the router's logits, then the shared expert's gate
+            logits = linear(x, self._router)  # [num_tokens, E + 1]
+            if x.shape[0] <= current_kernel_policy().moe_shared_slot_max_tokens:
+                weights, ids = route(logits, self.top_k, self.renormalize, shared_expert=True)
+                return experts(x, *self._stacked, weights, ids)
+            logits, shared_logit = logits[:, :-1], logits[:, -1:]
+        weights, ids = route(logits, self.top_k, self.renormalize)
         if self.tp is not None:
             weights, ids = self.experts.local_routes(weights, ids)
         out = experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.shared_expert is not None:
-            gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight))
-            out = out + gate * self.shared_expert(x)
+            if shared_logit is None:
+                shared_logit = linear(x, self.shared_expert_gate.weight)
+            out = out + torch.sigmoid(shared_logit) * self.shared_expert(x)
         # One all-reduce for the routed and the shared experts' partial sums.
         return out if self.tp is None else self.tp.all_reduce(out)
 

@@ -79,8 +79,9 @@ def test_matches_transformers_block(rng, shared: bool, backend: str, num_tokens:
 def test_shared_expert_fused_as_one_more_expert(rng, backend: str, num_tokens: int) -> None:
     """With the shared expert as wide as the routed ones, `fuse_projections` stacks it after
     them and its gate row after the router's: the layer then matches transformers' block and
-    its own unfused forward, keeps its state dict, holds each weight once (the shared expert's
-    parameters are views of the stack) and routes through one route and one experts call."""
+    its own unfused forward, whether the shared expert runs as a routed slot or apart (by the
+    policy's token limit), keeps its state dict and holds each weight once (the shared
+    expert's parameters are views of the stack)."""
     cfg = Qwen3NextConfig(
         hidden_size=HIDDEN,
         num_experts=EXPERTS,
@@ -96,16 +97,31 @@ def test_shared_expert_fused_as_one_more_expert(rng, backend: str, num_tokens: i
     x = torch.randn(num_tokens, HIDDEN, generator=rng)
     device = DEVICE if backend == "triton" else torch.device("cpu")
     ours, xd = ours.to(device), x.to(device)
-    with torch.no_grad(), use_kernel_policy(KernelPolicy(backend=backend)):
-        unfused = ours(xd).cpu()
-        ours.fuse_projections()
-        ours.shared_expert.fuse_projections()  # as the loader reaches it: left as adopted
-        fused = ours(xd).cpu()
+    routes = []
+    route_fn, experts_fn = moe_kernels.moe_backend(device)
+
+    def route_spy(*args, **kwargs):
+        routes.append(kwargs.get("shared_expert", False))
+        return route_fn(*args, **kwargs)
+
+    ours._backend = lambda device: (route_spy, experts_fn)
+    with torch.no_grad():
+        with use_kernel_policy(KernelPolicy(backend=backend)):
+            unfused = ours(xd).cpu()
+            ours.fuse_projections()
+            ours.shared_expert.fuse_projections()  # as the loader reaches it: left as adopted
+        fused = {}  # the shared expert as a routed slot (tokens <= the limit), else apart
+        for limit in (num_tokens, num_tokens - 1):
+            policy = KernelPolicy(backend=backend, moe_shared_slot_max_tokens=limit)
+            with use_kernel_policy(policy):
+                fused[limit] = ours(xd).cpu()
         expected = ref(x[None])
+    assert routes == [False, True, False]
     expected = (expected[0] if isinstance(expected, tuple) else expected).reshape(x.shape)
     tol = 1e-5 if device.type == "cpu" else 1e-4
-    torch.testing.assert_close(fused, expected, rtol=tol, atol=tol)
-    torch.testing.assert_close(fused, unfused, rtol=tol, atol=tol)
+    for got in fused.values():
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        torch.testing.assert_close(got, unfused, rtol=tol, atol=tol)
     state = ours.state_dict()
     assert state.keys() == ref.state_dict().keys()
     for name, value in ref.state_dict().items():
