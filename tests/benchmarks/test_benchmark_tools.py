@@ -797,3 +797,34 @@ def test_chooser_replay_hands_the_cuda_chooser_model_step_times(monkeypatch, cap
         chooser_replay.main(["--passes", "0"])
     with pytest.raises(SystemExit, match="--temperature"):
         chooser_replay.main(["--temperature", "-1"])
+
+
+def test_moe_shared_bench_times_the_shared_expert_three_ways(tmp_path, capsys, monkeypatch):
+    """The CPU smoke run (a shrunk 35B-A3B cut): a row per batch and way, the last engine's
+    layers stacked or not as the way says, and the stacking switch put back afterwards."""
+    from benchmarks import moe_shared_bench
+    from blockdraft.layers.moe import SparseMoE
+
+    fuse = SparseMoE.fuse_projections
+    stacked = []
+    build = moe_shared_bench.build
+
+    def spy(target, mode, max_seqs):
+        llm = build(target, mode, max_seqs)
+        layers = llm.engine.model.model.layers
+        stacked.append((mode, all(layer.mlp._stacked is not None for layer in layers)))
+        return llm
+
+    monkeypatch.setattr(moe_shared_bench, "build", spy)
+    out = tmp_path / "moe.json"
+    argv = ["--tiny", "--layers", "4", "--batches", "1", "2", "--rounds", "1", "--steps", "2"]
+    results = moe_shared_bench.main([*argv, "--json", str(out)])
+    assert SparseMoE.fuse_projections is fuse
+    assert stacked == [("slot", True), ("apart", True), ("before stacking", False)]
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rows = [r for r in rows if r[:1] in (["1"], ["2"])]
+    assert [(r[0], " ".join(r[1:-2])) for r in rows] == [
+        (b, m) for b in "12" for m in moe_shared_bench.MODES
+    ]
+    assert json.loads(out.read_text())["step_ms"].keys() == results["step_ms"].keys()
+    assert all(ms > 0 for v in results["step_ms"].values() for ms in v)
