@@ -3,7 +3,9 @@
 
 Routing (`triton_route`): one program per token takes the softmax over its E logits in fp32,
 then the top-k by k rounds of max-and-remove (the lowest expert index among equal
-probabilities), optionally renormalised, in one launch.
+probabilities), optionally renormalised, in one launch; with a shared expert's gate as a last
+logit column, one more slot for expert E weighted sigmoid(gate) (the shared expert stacked
+after the routed ones: `layers.moe.SparseMoE.fuse_projections`).
 
 Experts (`triton_experts`): each token's k choices make T*k (token, slot) pairs, and every pair
 is an expert MLP over one row. Two paths, both without a host sync (the grids and buffers are
