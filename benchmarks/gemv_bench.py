@@ -62,6 +62,15 @@ EXTRA_SHAPES = {
     "q35_27b_gate_up": (34816, 5120, 64),
     "q35_27b_down": (5120, 17408, 64),
     "q35_27b_lm_head": (248320, 5120, 1),
+    # Qwen3.5-35B-A3B (hidden 2048): the gated attention's fused q + gate + k + v (10 layers),
+    # the Gated DeltaNet's fused qkv + z + b + a (30; both o_proj and out_proj are `a3b_o`),
+    # the router with the shared expert's gate row (40), the shared expert's gate_up where it
+    # runs apart (past two tokens), the head.
+    "q35_a3b_qkv": (9216, 2048, 10),
+    "q35_a3b_gdn_in": (12352, 2048, 30),
+    "q35_a3b_router": (257, 2048, 40),
+    "q35_a3b_shared_gate_up": (1024, 2048, 40),
+    "q35_a3b_lm_head": (248320, 2048, 1),
 }
 # The projections decode runs with a prologue at <= 2 rows (`--prologue`).
 SILU_MUL_INPUT = ("down", "q35_27b_down")
