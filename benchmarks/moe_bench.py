@@ -1,7 +1,9 @@
 """The Triton MoE (`blockdraft.kernels.triton_moe`: router + experts) against its torch twins at
-Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert intermediate 768), bf16.
+Qwen3-30B-A3B shapes (hidden 2048, 128 experts, top-8, expert intermediate 768), bf16, or
+Qwen3.5-35B-A3B's (256 experts of 512, and the shared expert as a ninth routed slot).
 
-    python benchmarks/moe_bench.py [--tokens 1 8 16 512] [--sweep] [--json moe.json]
+    python benchmarks/moe_bench.py [--shape qwen3.5-35b-a3b] [--tokens 1 8 16 512] [--sweep]
+        [--json moe.json]
     python benchmarks/moe_bench.py --tiny        # a tiny fp32 shape; on the CPU (interpreter)
 
 One MoE layer's routing and expert compute per call (the router's input logits given), for T
@@ -36,6 +38,12 @@ from benchmarks.common import hardware, print_table, time_eager, time_graph  # n
 
 # (hidden, experts, top_k, intermediate, dtype)
 FULL = (2048, 128, 8, 768, torch.bfloat16)
+SHAPES = {
+    "qwen3-30b-a3b": FULL,
+    # The routed experts; the shared expert (as wide) is stacked after them as one more slot.
+    "qwen3.5-35b-a3b": (2048, 256, 8, 512, torch.bfloat16),
+}
+SHARED = {"qwen3-30b-a3b": False, "qwen3.5-35b-a3b": True}
 TINY = (64, 8, 2, 32, torch.float32)
 FULL_TOKENS = [1, 8, 16, 32 * 16]
 TINY_TOKENS = [1, 3, 16]
@@ -79,17 +87,18 @@ class Case:
     w_gate_up: torch.Tensor  # [experts, 2 * intermediate, hidden]
     w_down: torch.Tensor  # [experts, hidden, intermediate]
     top_k: int
+    shared: bool = False  # the last expert and logit column are a shared expert's
 
     def triton(self, i: int, config: object = None) -> torch.Tensor:
         from blockdraft.kernels.triton_moe import triton_experts, triton_route
 
-        weights, ids = triton_route(self.logits[i], self.top_k, True)
+        weights, ids = triton_route(self.logits[i], self.top_k, True, self.shared)
         return triton_experts(self.xs[i], self.w_gate_up, self.w_down, weights, ids, config)
 
     def twin(self, i: int) -> torch.Tensor:
         from blockdraft.kernels.moe import experts_torch, route_torch
 
-        weights, ids = route_torch(self.logits[i], self.top_k, True)
+        weights, ids = route_torch(self.logits[i], self.top_k, True, self.shared)
         return experts_torch(self.xs[i], self.w_gate_up, self.w_down, weights, ids)
 
 
@@ -101,7 +110,10 @@ def time_triton(case: Case, config: object, iters: int, reps: int) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny fp32 shape, CPU-able")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny fp32 widths (the --shape's shared slot), CPU-able"
+    )
     parser.add_argument("--tokens", type=int, nargs="+", default=None)
     parser.add_argument("--sets", type=int, default=8, help="random routings cycled")
     parser.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
@@ -123,17 +135,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
 
     device = torch.device("cuda" if cuda else "cpu")
-    hidden, experts, top_k, inter, dtype = TINY if args.tiny else FULL
+    hidden, experts, top_k, inter, dtype = TINY if args.tiny else SHAPES[args.shape]
+    shared = SHARED[args.shape]
+    stacked = experts + int(shared)  # the weights' experts: the shared one last
     tokens_list = args.tokens or (TINY_TOKENS if args.tiny else FULL_TOKENS)
     sets = max(1, args.sets if cuda else 2)
     gen = torch.Generator(device=device).manual_seed(0)
-    w_gate_up = (torch.randn(experts, 2 * inter, hidden, device=device, generator=gen) * 0.02).to(
+    w_gate_up = (torch.randn(stacked, 2 * inter, hidden, device=device, generator=gen) * 0.02).to(
         dtype
     )
-    w_down = (torch.randn(experts, hidden, inter, device=device, generator=gen) * 0.02).to(dtype)
+    w_down = (torch.randn(stacked, hidden, inter, device=device, generator=gen) * 0.02).to(dtype)
     expert_bytes = 3 * hidden * inter * w_down.element_size()
     print(
-        f"MoE layer: hidden {hidden}, {experts} experts, top-{top_k}, intermediate {inter}, "
+        f"MoE layer: hidden {hidden}, {experts} experts, top-{top_k}"
+        f"{' + a shared expert as a slot' if shared else ''}, intermediate {inter}, "
         f"{dtype}, {expert_bytes / 1e6:.2f} MB an expert, on {hardware()}"
     )
 
@@ -145,14 +160,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for _ in range(sets)
             ],
             [
-                torch.randn(tokens, experts, device=device, generator=gen).to(dtype)
+                torch.randn(tokens, stacked, device=device, generator=gen).to(dtype)
                 for _ in range(sets)
             ],
             w_gate_up,
             w_down,
             top_k,
+            shared,
         )
-        routed = [route_torch(lg, top_k, True) for lg in case.logits]
+        routed = [route_torch(lg, top_k, True, shared) for lg in case.logits]
         distinct = sum(torch.unique(ids).numel() for _, ids in routed) / sets
         mbytes = distinct * expert_bytes / 1e6
         ref = case.twin(0).float()
@@ -160,13 +176,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         twin_ms = time_eager([partial(case.twin, i) for i in range(sets)], args.reps)
 
         ms = time_triton(case, None, args.iters, args.reps)
-        pairs = tokens * top_k
+        pairs = tokens * (top_k + int(shared))
         path = "decode" if pairs <= DECODE_MAX_PAIRS else "grouped"
         row = {
             "tokens": tokens,
             "path": path,
             "distinct": distinct,
-            "expected_distinct": expected_distinct(experts, top_k, tokens),
+            "expected_distinct": expected_distinct(experts, top_k, tokens) + int(shared),
             "expert_MB": mbytes,
             "twin_ms": twin_ms,
             "triton_ms": ms,
