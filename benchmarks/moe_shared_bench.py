@@ -51,7 +51,7 @@ def stacking(on: bool) -> Iterator[None]:
 
 
 def build(target: Path, mode: str, max_seqs: int) -> LLM:
-    policy = KernelPolicy(moe_shared_slot_max_tokens=0 if mode == "apart" else 2)
+    policy = KernelPolicy(moe_shared_slot_max_tokens=0) if mode == "apart" else KernelPolicy()
     with stacking(mode != "before stacking"):
         return LLM(str(target), load_format="dummy", max_model_len=512, max_num_seqs=max_seqs,
                    kernel_policy=policy)  # fmt: skip

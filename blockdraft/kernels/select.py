@@ -164,9 +164,8 @@ def get_gated_deltanet_decode_backend(
 ) -> GatedDeltaNetDecodeFn | None:
     """`fn(qkv, b_a, z, conv_weight, a_log, dt_bias, norm_weight, norm_eps, num_k_heads,
     conv_pool, state_pool, slots, fresh, counters, *, fill_programs) -> out`: a Gated DeltaNet
-    decode step's
-    token mixer in one Triton launch; None off the Triton path, where the layer's own torch
-    steps (`gated_deltanet_decode_torch` is what they compute) run."""
+    decode step's token mixer in one Triton launch; None off the Triton path, where the layer's
+    own torch steps (`gated_deltanet_decode_torch` is what they compute) run."""
     if use_triton(device):
         from blockdraft.kernels import triton_gated_deltanet_step
 

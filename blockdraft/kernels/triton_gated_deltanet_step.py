@@ -231,6 +231,14 @@ def _gated_deltanet_decode_kernel(
                    Dv, norm_eps, BV, ROUND_PRODUCT)  # fmt: skip
 
 
+def decode_block_v(dv: int, block_v: int | None = None) -> int:
+    """Value dims of a decode program's state block: `block_v`, else up to 32. Blocks of 32
+    value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads spill heavily
+    (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes). A head splits over at most
+    cdiv(dv, this) programs."""
+    return block_v or min(triton.next_power_of_2(dv), 32)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x with unit column stride (a column slice of a fused projection stays as it is)."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -267,15 +275,12 @@ def triton_gated_deltanet_decode(
     if s == 0:
         return out
     bk = triton.next_power_of_2(dk)
-    # Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads
-    # spill heavily (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes).
-    bv = block_v or min(triton.next_power_of_2(dv), 32)
+    bv = decode_block_v(dv, block_v)
+    blocks = triton.cdiv(dv, bv)
     if v_splits is None:
-        v_splits = max(1, min(triton.cdiv(dv, bv), fill_programs // (s * hv)))
-    if not 1 <= v_splits <= triton.cdiv(dv, bv):
-        raise ValueError(
-            f"v_splits {v_splits} must be in [1, {triton.cdiv(dv, bv)}] (value blocks of {bv})"
-        )
+        v_splits = max(1, min(blocks, fill_programs // (s * hv)))
+    if not 1 <= v_splits <= blocks:
+        raise ValueError(f"v_splits {v_splits} must be in [1, {blocks}] (value blocks of {bv})")
     need = s * hk + (s * hv if v_splits > 1 else 0)
     if counters is None or counters.numel() < need:
         counters = torch.zeros(need, dtype=torch.int32, device=qkv.device)
