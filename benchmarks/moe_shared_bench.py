@@ -31,11 +31,6 @@ from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 from blockdraft.layers.moe import SparseMoE  # noqa: E402
 
 MODES = ("slot", "apart", "before stacking")
-# A CPU-sized cut of the shape (the smoke run): the structure as published, the widths not.
-TINY = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=16,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32)  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -66,9 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tiny", action="store_true", help="a shrunk shape (CPU smoke run)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    shape = SHAPES["qwen3.5-35b-a3b"].with_layers(args.layers)
-    if args.tiny:
-        shape.config.update(TINY)
+    shape = SHAPES["qwen3.5-35b-a3b"]
+    shape = shape.shrunk(args.layers) if args.tiny else shape.with_layers(args.layers)
     target, _ = shape.dirs()
     prompt = torch.randint(4, shape.config["vocab_size"], (64 if args.tiny else 256,)).tolist()
     times: dict[tuple[str, int], list[float]] = {}

@@ -1,8 +1,10 @@
 """Where a decode step's GPU time goes on a model shape (benchmarks/shapes.py, random bf16
-weights): the top kernels of AR steps at each batch size, under the engine's CUDA graphs.
+weights): the top kernels of AR steps at each batch size, under the engine's CUDA graphs, and
+with `--dflash N` those of DFlash steps (verify 1+N + draft, synthetic acceptance) beside them.
 
     python -m benchmarks.profile_shape --shape qwen3.5-27b [--batches 1 32] [--top 15]
         [--layers 8]  # the shape's first 8 layers: a 70 GB model's kernels on an 80 GB GPU
+        [--dflash 15 --accept 0.8]  # also DFlash steps of 15 drafts
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import print_table  # noqa: E402
-from benchmarks.gpu_bench import profile_steps  # noqa: E402
+from benchmarks.gpu_bench import dflash_llm, profile_steps  # noqa: E402
 from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import LLM  # noqa: E402
 
@@ -28,17 +30,28 @@ def main() -> None:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--layers", type=int, default=None, help="keep the first N layers")
+    p.add_argument("--dflash", type=int, default=0, metavar="N",
+                   help="also profile DFlash steps of N drafts (0: AR only)")  # fmt: skip
+    p.add_argument("--accept", type=float, default=0.8, help="synthetic acceptance per draft")
     args = p.parse_args()
     shape = SHAPES[args.shape]
     if args.layers is not None:
         shape = shape.with_layers(args.layers)
-    target, _ = shape.dirs()
+    target, drafter = shape.dirs()
     prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
-    llm = LLM(str(target), load_format="dummy", max_model_len=args.prompt_len + 256,
+    kw = dict(load_format="dummy", max_model_len=args.prompt_len + 256,
               max_num_seqs=max(args.batches))  # fmt: skip
+    llm = LLM(str(target), **kw)
     rows = []
     for batch in args.batches:
         rows += profile_steps(llm, prompt, args.steps, f"AR batch {batch}", batch, args.top)
+    if args.dflash:
+        llm.shutdown()  # memory back before the next engine sizes its caches
+        llm = dflash_llm(target, drafter, args.dflash, None, args.accept, kw)
+        for batch in args.batches:
+            label = f"N={args.dflash} batch {batch}"
+            rows += profile_steps(llm, prompt, args.steps, label, batch, args.top)
+    llm.shutdown()
     print_table(f"{shape.name}: ms per step", ["steps", "kernel", "ms"], rows)
 
 

@@ -86,6 +86,24 @@ def dense_bytes_per_token(cfg: dict) -> int:
     return mixer_bytes(cfg) + 2 * weights
 
 
+# Every width of a bench shape cut to a CPU-sized one (`BenchShape.shrunk`).
+CPU_WIDTHS = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_experts": 16,
+    "num_attention_heads": 8,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "shared_expert_intermediate_size": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
 @dataclass(frozen=True)
 class BenchShape:
     name: str
@@ -104,6 +122,17 @@ class BenchShape:
         if "layer_types" in config:
             config["layer_types"] = config["layer_types"][:num_layers]
         return dataclasses.replace(self, name=f"{self.name}-{num_layers}l", config=config)
+
+    def shrunk(self, num_layers: int = 5) -> BenchShape:
+        """The same structure at CPU widths (`CPU_WIDTHS`; the GQA ratio, routing, dense and
+        sparse layers, q/k norms and an untied head as published), cut to its first
+        `num_layers` layers: for smoke runs of GPU benchmarks and tests of the shapes."""
+        cut = self.with_layers(min(num_layers, self.config["num_hidden_layers"]))
+        cfg = cut.config
+        config = {**cfg, **{k: v for k, v in CPU_WIDTHS.items() if k in cfg}}
+        group = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+        config["num_key_value_heads"] = config["num_attention_heads"] // group
+        return dataclasses.replace(cut, name=f"{self.name}-shrunk", config=config)
 
     def dirs(self) -> tuple[Path, Path]:
         """A temporary target directory (config only: `load_format="dummy"`) and a DFlash

@@ -287,26 +287,6 @@ def test_bench_shape_with_layers_keeps_the_first_layers(name: str) -> None:
             shape.with_layers(bad)
 
 
-# Every width of a bench shape cut to a CPU-sized one; the structure (GQA ratio, routing, dense
-# and sparse layers, q/k norms, untied head) stays as published.
-SHRUNK = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 32,
-    "num_experts": 16,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 8,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-    "shared_expert_intermediate_size": 32,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-}
-
-
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b", "qwen3.5-35b-a3b"])
 def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None:
     """A bench shape's config, shrunk, builds and generates with load_format="dummy" (random
@@ -316,11 +296,13 @@ def test_bench_shapes_run_shrunk_with_dummy_weights(tmp_path, name: str) -> None
     from blockdraft import LLM, SamplingParams
 
     shape = SHAPES[name]
-    hf = {**shape.config, **{k: v for k, v in SHRUNK.items() if k in shape.config}}
-    group = shape.config["num_attention_heads"] // shape.config["num_key_value_heads"]
-    hf["num_key_value_heads"] = hf["num_attention_heads"] // group
-    if "layer_types" in hf:
-        hf["layer_types"] = hf["layer_types"][: hf["num_hidden_layers"]]
+    hf = shape.shrunk().config
+    whole = shape.config
+    assert hf["num_hidden_layers"] == 5 and hf["hidden_size"] == 64
+    assert hf.get("layer_types") == (whole["layer_types"][:5] if "layer_types" in whole else None)
+    ratio = whole["num_attention_heads"] // whole["num_key_value_heads"]
+    assert hf["num_attention_heads"] // hf["num_key_value_heads"] == ratio
+    assert hf["architectures"] == whole["architectures"]
     target = tmp_path / "target"
     target.mkdir()
     (target / "config.json").write_text(json.dumps(hf))
