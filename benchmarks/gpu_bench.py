@@ -210,6 +210,12 @@ ABLATION = [
     # forwards only (a DFlash step has none at batch 1 and 8).
     ("AR", "defaults (PDL in decode forwards)", {}, "async"),
     ("AR", "PDL off", dict(pdl=False), "async"),
+    (
+        "AR",
+        "norms as kernels of their own (no RMSNorm prologue)",
+        dict(fuse_norm_into_skinny=False),
+        "async",
+    ),
     ("DFlash", "defaults (PDL in decode forwards)", {}, ""),
     ("DFlash", "PDL in forwards of <= 16 query rows", dict(pdl_max_query_len=16), ""),
     (

@@ -23,18 +23,19 @@ def skinny_linear_torch(
     rms_norm: tuple[torch.Tensor, float] | None = None,  # (norm weight [K], eps)
     residual: torch.Tensor | None = None,  # [..., K]; with rms_norm
     residual_out: torch.Tensor | None = None,  # [..., K]; receives x + residual
+    norm_offset: bool = False,  # with rms_norm: its offset form (OffsetRMSNorm)
 ) -> torch.Tensor:  # [..., N]
     """`x @ weight.T + bias`, exactly `F.linear`; with silu_mul_input, of the gated MLP's
     activation `silu(gate) * up` of x's halves (the skinny GEMM fuses it into its loads); with
-    rms_norm = (norm_weight, eps), of `rms_norm_torch(x, norm_weight, eps, residual)`, the new
-    residual stream x + residual copied into residual_out."""
+    rms_norm = (norm_weight, eps), of `rms_norm_torch(x, norm_weight, eps, residual,
+    offset=norm_offset)`, the new residual stream x + residual copied into residual_out."""
     if silu_mul_input:
         x = silu_mul_torch(*x.chunk(2, dim=-1))
     if rms_norm is not None:
         if residual is None:
-            x = rms_norm_torch(x, *rms_norm)
+            x = rms_norm_torch(x, *rms_norm, offset=norm_offset)
         else:
-            x, stream = rms_norm_torch(x, *rms_norm, residual)
+            x, stream = rms_norm_torch(x, *rms_norm, residual, offset=norm_offset)
             if residual_out is not None:
                 residual_out.copy_(stream)
     return F.linear(x, weight, bias)

@@ -66,9 +66,11 @@ def _load_x(
             nw = tl.load(nw_ptrs)
         else:
             nw = tl.load(nw_ptrs, mask=k_ok, other=0.0)
-        # As _rms_norm_kernel: normalise in fp32, round, scale by the weight, round.
-        normed = (x.to(tl.float32) * rstd).to(ptrs.dtype.element_ty).to(tl.float32)
-        x = (normed * nw.to(tl.float32)).to(ptrs.dtype.element_ty)
+        if RMS_NORM == 2:  # as _rms_norm_kernel's OFFSET: scale by 1 + weight, one rounding
+            x = (x.to(tl.float32) * rstd * (1.0 + nw.to(tl.float32))).to(ptrs.dtype.element_ty)
+        else:  # as _rms_norm_kernel: normalise in fp32, round, scale by the weight, round
+            normed = (x.to(tl.float32) * rstd).to(ptrs.dtype.element_ty).to(tl.float32)
+            x = (normed * nw.to(tl.float32)).to(ptrs.dtype.element_ty)
     if SILU_MUL:  # masked lanes: silu(0) * 0 = 0
         if EVEN_K:
             up = tl.load(ptrs + up_offset)
@@ -163,7 +165,9 @@ def _skinny_matmul_kernel(
     EVEN_K: tl.constexpr,  # K % (BLOCK_K * SPLIT_K) == 0: no masks along K
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # the GEMM's x is silu(x[:, :K]) * x[:, K:]
-    RMS_NORM: tl.constexpr,  # the GEMM's x is rms_norm(x (+ residual)) * norm weight
+    # 1: the GEMM's x is rms_norm(x (+ residual)) * norm weight; 2: * (1 + norm weight), the
+    # offset form (Qwen3.5's norms); 0: x as it is
+    RMS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     NORM_BLOCK: tl.constexpr,  # next_power_of_2(K) with RMS_NORM, else 1
     NUM_STAGES: tl.constexpr,

@@ -82,13 +82,29 @@ class GatedSelfAttention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         positions: torch.Tensor,  # [num_tokens] int64
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        if self._qkv is None:
-            projections = (
-                linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
-            )
-        else:
-            projections = linear(x, *self._qkv).split(self._split, dim=-1)
-        q_gate, k, v = projections
+        if self._qkv is not None:
+            return self.attend(linear(x, *self._qkv), positions)
+        q_gate, k, v = (
+            linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        return self._attend(q_gate, k, v, positions)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, sum(self._split)], the fused projection's output
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused q/gate/k/v projection (`_qkv`), for a caller
+        that formed it itself (the input norm in the skinny GEMM's loads)."""
+        return self._attend(*qkv.split(self._split, dim=-1), positions)
+
+    def _attend(
+        self,
+        q_gate: torch.Tensor,  # [num_tokens, 2 * num_heads * head_dim], each head's q then gate
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        positions: torch.Tensor,  # [num_tokens] int64
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         # Views of the projection's rows (q a strided one beside its gate): the rotary kernels
         # read heads at any row stride, so nothing is copied.
         q, gate = q_gate.reshape(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)

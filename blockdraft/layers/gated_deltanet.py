@@ -200,17 +200,31 @@ class GatedDeltaNet(nn.Module):
         self,
         x: torch.Tensor,  # [num_tokens, hidden]
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        if self._in_proj is not None:
+            return self.mix_projected(linear(x, *self._in_proj))
+        qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
+        z = linear(x, self.in_proj_z.weight)  # [num_tokens, value_dim]
+        ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
+        return self._forward(qkv, z, ba)
+
+    def mix_projected(
+        self,
+        projected: torch.Tensor,  # [num_tokens, conv_dim + value_dim + 2 * Hv], fused in_proj's
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        """The rest of `forward` after the fused input projection (`_in_proj`), for a caller
+        that formed it itself (the input norm in the skinny GEMM's loads)."""
+        split = (self.conv_dim, self.value_dim, 2 * self.num_v_heads)
+        return self._forward(*projected.split(split, dim=-1))
+
+    def _forward(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, conv_dim]
+        z: torch.Tensor,  # [num_tokens, value_dim], the output gate
+        ba: torch.Tensor,  # [num_tokens, 2 * Hv], beta then the decay's a
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         meta = get_attention_metadata().linear
         if meta is None:
             raise RuntimeError("a linear-attention layer needs LinearStateMetadata")
-        if self._in_proj is None:
-            qkv = linear(x, self.in_proj_qkv.weight)  # [num_tokens, conv_dim]
-            z = linear(x, self.in_proj_z.weight)  # [num_tokens, value_dim]
-            ba = torch.cat((linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)), -1)
-        else:
-            qkv, z, ba = linear(x, *self._in_proj).split(
-                (self.conv_dim, self.value_dim, 2 * self.num_v_heads), dim=-1
-            )
         weights = (self.conv1d.weight.view(self.conv_dim, -1), self.A_log, self.dt_bias,
                    self.norm.weight, self.norm.eps, self.num_k_heads)  # fmt: skip
         pools = (self.conv_state, self.recurrent_state)

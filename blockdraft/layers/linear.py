@@ -13,7 +13,7 @@ from blockdraft.distributed.tensor_parallel import TensorParallel
 from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.kernels.policy import CPU_WEIGHT_LEFT_ROWS, cpu_row_count
 from blockdraft.kernels.select import get_linear_backend, needs_autograd
-from blockdraft.layers.norm import RMSNorm
+from blockdraft.layers.norm import OffsetRMSNorm, RMSNorm
 
 
 def skinny(
@@ -122,7 +122,7 @@ def norm_prologue_fits(
 
 
 def norm_linear(
-    norm: RMSNorm,
+    norm: RMSNorm | OffsetRMSNorm,
     x: torch.Tensor,  # [num_tokens, hidden]
     residual: torch.Tensor | None,  # [num_tokens, hidden]; None: x is the stream
     weight: torch.Tensor,  # [out_features, hidden]
@@ -131,16 +131,15 @@ def norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (linear(norm(x + residual)), x + residual)
     """`norm` (with its residual add) and the skinny GEMM after it, in one kernel; the stream
     x + residual is written to `stream_out` when given (`norm.input_norm`)."""
+    prologue = {"rms_norm": (norm.weight, norm.eps), "norm_offset": norm.offset}
     if residual is None:
         if stream_out is not None:
             stream_out.copy_(x)
-        return skinny_linear(x, weight, bias, rms_norm=(norm.weight, norm.eps)), x
+        return skinny_linear(x, weight, bias, **prologue), x
     stream = stream_out
     if stream is None:
         stream = torch.empty_like(x, memory_format=torch.contiguous_format)
-    out = skinny_linear(
-        x, weight, bias, rms_norm=(norm.weight, norm.eps), residual=residual, residual_out=stream
-    )
+    out = skinny_linear(x, weight, bias, residual=residual, residual_out=stream, **prologue)
     return out, stream
 
 

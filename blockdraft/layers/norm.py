@@ -11,6 +11,8 @@ class RMSNorm(nn.Module):
     """RMSNorm that can take the residual add before it (`norm(x + residual)`), so that a
     pre-norm block's `add + norm` is one fused kernel on the Triton path."""
 
+    offset = False  # the weight scales as it is (OffsetRMSNorm: as 1 + weight)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -54,6 +56,8 @@ class OffsetRMSNorm(nn.Module):
     transformers' `Qwen3_5RMSNorm`. Takes the residual add before it like `RMSNorm`, and runs
     the same fused kernel (its `offset` mode) on the Triton path: the eager version is ~8
     elementwise launches, which a hybrid model's decode step pays ~200 times."""
+
+    offset = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

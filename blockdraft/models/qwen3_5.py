@@ -22,6 +22,8 @@ from torch import nn
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.layers.linear import norm_linear, norm_prologue_fits
+from blockdraft.layers.mlp import MLP
 from blockdraft.layers.norm import OffsetRMSNorm, input_norm
 from blockdraft.layers.rotary import RotaryEmbedding
 from blockdraft.layers.vocab_parallel import embedding
@@ -129,14 +131,41 @@ class HybridDecoderLayer(nn.Module):
         stream_out: torch.Tensor | None = None,  # [num_tokens, hidden] view, unit column stride
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream), [num_tokens, hidden]
         """Pre-norm block, its output left unsummed as in `llama.DecoderLayer` (and its input
-        stream written to `stream_out` likewise)."""
-        h, residual = input_norm(self.input_layernorm, x, residual, stream_out)
-        if self.layer_type == "linear_attention":
-            h = self.linear_attn(h)
+        stream written to `stream_out` likewise). Where `norm_prologue_fits` (decode's few
+        rows), each norm is formed in the loads of the skinny GEMM after it, as in
+        `llama.DecoderLayer`: the input norm in the mixer's fused input projection, the
+        post-attention norm in a dense MLP's gate_up (a mixture's router and experts both read
+        the normed rows: its norm stays a kernel of its own)."""
+        linear = self.layer_type == "linear_attention"
+        projection = self.linear_attn._in_proj if linear else self.self_attn._qkv
+        if self._norm_fuses(x, residual, self.input_layernorm, projection):
+            projected, residual = norm_linear(
+                self.input_layernorm, x, residual, *projection, stream_out
+            )
+            if linear:
+                h = self.linear_attn.mix_projected(projected)
+            else:
+                h = self.self_attn.attend(projected, positions)
         else:
-            h = self.self_attn(h, positions)
+            h, residual = input_norm(self.input_layernorm, x, residual, stream_out)
+            h = self.linear_attn(h) if linear else self.self_attn(h, positions)
+        gate_up = self.mlp._gate_up if isinstance(self.mlp, MLP) else None
+        if self._norm_fuses(h, residual, self.post_attention_layernorm, gate_up):
+            gate_up, residual = norm_linear(self.post_attention_layernorm, h, residual, *gate_up)
+            return self.mlp.down_gate_up(gate_up), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    @staticmethod
+    def _norm_fuses(
+        x: torch.Tensor,  # [num_tokens, hidden]
+        residual: torch.Tensor | None,  # [num_tokens, hidden]
+        norm: OffsetRMSNorm,
+        projection: tuple[torch.Tensor, torch.Tensor | None] | None,  # fused (weight, bias)
+    ) -> bool:
+        return projection is not None and norm_prologue_fits(
+            x, residual, (norm.weight,), *projection
+        )
 
 
 class HybridDecoderModel(nn.Module):

@@ -256,32 +256,38 @@ NORM_CASES = [  # (m, k, n, residual, bias): K odd (37) or long (200: blocks and
     ids=lambda c: "default" if c is None else f"dot{int(c.use_dot)}-split{c.split_k}",
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_skinny_linear_rms_norm(rng, cfg: SkinnyConfig | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("offset", [False, True], ids=["weight", "offset"])
+def test_skinny_linear_rms_norm(
+    rng, cfg: SkinnyConfig | None, dtype: torch.dtype, offset: bool
+) -> None:
     """The fused norm prologue bit for bit against the unfused Triton pair (`triton_rms_norm`,
     then the same GEMM), its residual stream against the eager add, both into poisoned
-    outputs (row-strided x and residual), and the torch twin against rms_norm_torch + F.linear."""
+    outputs (row-strided x and residual), and the torch twin against rms_norm_torch + F.linear;
+    also in the offset form (`OffsetRMSNorm`'s: scale by 1 + weight, one rounding)."""
     from blockdraft.kernels.rmsnorm import rms_norm_torch
     from blockdraft.kernels.triton_rmsnorm import triton_rms_norm
 
+    norm = {"offset": offset}
     for m, k, n, with_residual, bias in NORM_CASES:
         x = (3 * randn(rng, m, k + 24))[:, 5 : 5 + k].to(dtype)
         residual = randn(rng, m, k + 24)[:, 7 : 7 + k].to(dtype) if with_residual else None
-        norm_w = (1 + 0.1 * randn(rng, k)).to(dtype)
+        norm_w = ((0 if offset else 1) + 0.1 * randn(rng, k)).to(dtype)
         w = (randn(rng, n, k) / math.sqrt(k)).to(dtype)
         b = randn(rng, n, dtype=dtype) if bias else None
         buffer, out = poisoned_out(m, n, dtype)
         res_buffer, res_out = poisoned_out(m, k, dtype) if with_residual else (None, None)
         got = skinny_linear(
-            x, w, b, cfg, out=out, rms_norm=(norm_w, 1e-6), residual=residual, residual_out=res_out
-        )
+            x, w, b, cfg, out=out, rms_norm=(norm_w, 1e-6), residual=residual,
+            residual_out=res_out, norm_offset=offset,
+        )  # fmt: skip
         assert got.data_ptr() == out.data_ptr()
         assert buffer[:, :3].isnan().all() and buffer[:, 3 + n :].isnan().all()
         if with_residual:
-            normed, stream = triton_rms_norm(x, norm_w, 1e-6, residual)
+            normed, stream = triton_rms_norm(x, norm_w, 1e-6, residual, **norm)
             assert torch.equal(res_out, x + residual) and torch.equal(res_out, stream)
             assert res_buffer[:, :3].isnan().all() and res_buffer[:, 3 + k :].isnan().all()
         else:
-            normed = triton_rms_norm(x, norm_w, 1e-6)
+            normed = triton_rms_norm(x, norm_w, 1e-6, **norm)
         unfused = skinny_linear(normed, w, b, cfg)
         if DEVICE.type == "cuda":  # compiled, the norm's FMAs may contract differently
             torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
@@ -290,13 +296,14 @@ def test_skinny_linear_rms_norm(rng, cfg: SkinnyConfig | None, dtype: torch.dtyp
         # The twin (torch's norm: rsqrt and its own sum order, so not bit for bit the kernel's).
         twin_stream = None if residual is None else torch.empty_like(x)
         twin = skinny_linear_torch(
-            x, w, b, rms_norm=(norm_w, 1e-6), residual=residual, residual_out=twin_stream
-        )
+            x, w, b, rms_norm=(norm_w, 1e-6), residual=residual, residual_out=twin_stream,
+            norm_offset=offset,
+        )  # fmt: skip
         if with_residual:
-            expected_normed, expected_stream = rms_norm_torch(x, norm_w, 1e-6, residual)
+            expected_normed, expected_stream = rms_norm_torch(x, norm_w, 1e-6, residual, **norm)
             assert torch.equal(twin_stream, expected_stream)
         else:
-            expected_normed = rms_norm_torch(x, norm_w, 1e-6)
+            expected_normed = rms_norm_torch(x, norm_w, 1e-6, **norm)
         assert torch.equal(twin, F.linear(expected_normed, w, b))
         check(got, expected_normed, w, b)
 

@@ -27,6 +27,7 @@ from blockdraft.kernels.gated_delta_rule import (
     recurrent_gated_delta_rule_torch,
 )
 from blockdraft.kernels.policy import KernelPolicy
+from blockdraft.layers import linear as linear_layer
 from blockdraft.layers.gated_deltanet import GatedDeltaNet
 from blockdraft.layers.linear import fuse_projections
 from blockdraft.models.qwen3_5 import Qwen3_5LM, qwen3_5_config
@@ -318,5 +319,47 @@ def test_fused_decode_kernel_keeps_greedy_output(hybrid_target: Path, rng, monke
     calls.clear()
     assert fused == generate(False)
     assert not calls
+    if DEVICE.type == "cpu":
+        assert fused == hf_greedy(hybrid_target, prompts, 6)
+
+
+@needs_triton
+def test_norms_fuse_into_the_skinny_projections(hybrid_target: Path, rng, monkeypatch) -> None:
+    """With the skinny GEMM on this device, decode steps (1-2 rows) form each layer's input
+    norm in its mixer's fused input projection (Gated DeltaNet's in_proj, gated attention's
+    q/gate/k/v) and its post-attention norm in the dense MLP's gate_up, all in the norm's
+    offset form; greedy output is that of the norms as kernels of their own and, in the
+    interpreter (float32), transformers'."""
+    offsets: list[bool] = []
+    backend = linear_layer.get_linear_backend
+
+    def counting(device: torch.device):
+        run = backend(device)
+
+        def spy(x, weight, bias, **prologue):
+            if "rms_norm" in prologue:
+                offsets.append(prologue["norm_offset"])
+            return run(x, weight, bias, **prologue)
+
+        return spy
+
+    monkeypatch.setattr(linear_layer, "get_linear_backend", counting)
+    prompts = [torch.randint(4, 128, (n,), generator=rng).tolist() for n in (5, 11)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    def generate(fuse: bool) -> list[list[int]]:
+        # The skinny GEMM for decode's rows only (prefill's in the interpreter is slow).
+        policy = KernelPolicy(backend="triton", skinny_device_type=DEVICE.type,
+                              skinny_max_rows=2, fuse_norm_into_skinny=fuse)  # fmt: skip
+        llm = LLM(str(hybrid_target), kernel_policy=policy, device=str(DEVICE), dtype="float32",
+                  max_num_seqs=2, num_kv_blocks=16, block_size=4, max_model_len=32)  # fmt: skip
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = generate(True)
+    layers = json.loads((hybrid_target / "config.json").read_text())["num_hidden_layers"]
+    assert offsets and all(offsets) and len(offsets) % (2 * layers) == 0  # two a layer a step
+    offsets.clear()
+    assert fused == generate(False)
+    assert not offsets
     if DEVICE.type == "cpu":
         assert fused == hf_greedy(hybrid_target, prompts, 6)
