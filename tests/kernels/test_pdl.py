@@ -102,7 +102,7 @@ def count(kernel, const, out_f32=False, **options):
             "atomics": ptx.count("atom."), "local": ptx.count("st.local")}
 
 skinny = dict(BLOCK_N=32, BLOCK_K=256, SPLIT_K=1, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
-              RMS_NORM=False, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
+              RMS_NORM=0, HAS_RESIDUAL=False, NORM_BLOCK=1, NUM_STAGES=3)
 # A split decode-shaped attention launch; the variants below change what they name.
 attention = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, GROUP=4, CAUSAL=True,
                  USE_WINDOW=False, SPLIT=True, MERGE=False, MERGE_SPLITS=1, ROPE=False,
@@ -112,8 +112,12 @@ variants = {
     "skinny dot split-k": (_skinny_matmul_kernel,
                            dict(skinny, BLOCK_M=16, USE_DOT=True, SPLIT_K=4), {"out_f32": True}),
     "skinny 1 row + norm": (_skinny_matmul_kernel,
-                            dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=True,
+                            dict(skinny, BLOCK_M=1, USE_DOT=False, BLOCK_K=512, RMS_NORM=1,
                                  HAS_RESIDUAL=True, NORM_BLOCK=4096), {}),
+    "skinny 2 rows + offset norm (Qwen3.5)": (
+        _skinny_matmul_kernel,
+        dict(skinny, BLOCK_M=2, USE_DOT=False, BLOCK_K=512, RMS_NORM=2, HAS_RESIDUAL=True,
+             NORM_BLOCK=8192), {}),
     "skinny 1 row": (_skinny_matmul_kernel, dict(skinny, BLOCK_M=1, USE_DOT=False), {}),
     "attention split": (_paged_attention_kernel, attention, {}),
     "attention verify + rope": (
