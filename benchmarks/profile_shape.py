@@ -5,6 +5,7 @@ with `--dflash N` those of DFlash steps (verify 1+N + draft, synthetic acceptanc
     python -m benchmarks.profile_shape --shape qwen3.5-27b [--batches 1 32] [--top 15]
         [--layers 8]  # the shape's first 8 layers: a 70 GB model's kernels on an 80 GB GPU
         [--dflash 15 --accept 0.8]  # also DFlash steps of 15 drafts
+        [--tiny]  # the shape at CPU widths (`BenchShape.shrunk`): a smoke run, no kernels
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from benchmarks.shapes import SHAPES  # noqa: E402
 from blockdraft import LLM  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[list]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3.5-27b")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
@@ -33,12 +34,15 @@ def main() -> None:
     p.add_argument("--dflash", type=int, default=0, metavar="N",
                    help="also profile DFlash steps of N drafts (0: AR only)")  # fmt: skip
     p.add_argument("--accept", type=float, default=0.8, help="synthetic acceptance per draft")
-    args = p.parse_args()
+    p.add_argument("--tiny", action="store_true", help="CPU widths (a smoke run)")
+    args = p.parse_args(argv)
     shape = SHAPES[args.shape]
-    if args.layers is not None:
+    if args.tiny:
+        shape = shape.shrunk(args.layers or 5)
+    elif args.layers is not None:
         shape = shape.with_layers(args.layers)
     target, drafter = shape.dirs()
-    prompt = torch.randint(1000, 100_000, (args.prompt_len,)).tolist()
+    prompt = torch.randint(4, shape.config["vocab_size"], (args.prompt_len,)).tolist()
     kw = dict(load_format="dummy", max_model_len=args.prompt_len + 256,
               max_num_seqs=max(args.batches))  # fmt: skip
     llm = LLM(str(target), **kw)
@@ -53,6 +57,7 @@ def main() -> None:
             rows += profile_steps(llm, prompt, args.steps, label, batch, args.top)
     llm.shutdown()
     print_table(f"{shape.name}: ms per step", ["steps", "kernel", "ms"], rows)
+    return rows
 
 
 if __name__ == "__main__":

@@ -810,3 +810,16 @@ def test_moe_shared_bench_times_the_shared_expert_three_ways(tmp_path, capsys, m
     ]
     assert json.loads(out.read_text())["step_ms"].keys() == results["step_ms"].keys()
     assert all(ms > 0 for v in results["step_ms"].values() for ms in v)
+
+
+def test_profile_shape_runs_ar_and_dflash_steps_shrunk() -> None:
+    """`profile_shape --tiny --dflash N` (the CPU smoke run of the GPU profile) times AR steps
+    and then DFlash steps of N drafts on a hybrid shape at CPU widths, each batch its rows."""
+    from benchmarks import profile_shape
+
+    argv = ["--shape", "qwen3.5-27b", "--tiny", "--batches", "1", "2", "--steps", "2",
+            "--prompt-len", "12", "--dflash", "3"]  # fmt: skip
+    rows = profile_shape.main(argv)
+    walls = {label: ms for label, what, ms in rows if what == "step wall"}
+    assert list(walls) == ["AR batch 1", "AR batch 2", "N=3 batch 1", "N=3 batch 2"]
+    assert all(ms > 0 for ms in walls.values())
