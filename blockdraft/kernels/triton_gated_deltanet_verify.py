@@ -449,13 +449,18 @@ def _commit_conv_state(
 
 @triton.jit
 def _gated_deltanet_commit_kernel(
-    conv_ptr,  # [num_slots, K - 1, conv_dim] contiguous
-    state_ptr,  # [num_slots, Hv, Dk, Dv] float32 contiguous
-    stash_qkv_ptr,  # [num_slots, W, conv_dim] contiguous
-    stash_mixed_ptr,  # [num_slots, W, conv_dim] contiguous
-    stash_gb_ptr,  # [num_slots, W, 2 * Hv] float32 contiguous
+    conv_ptr,  # [(L,) num_slots, K - 1, conv_dim] contiguous
+    state_ptr,  # [(L,) num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv_ptr,  # [(L,) num_slots, W, conv_dim] contiguous
+    stash_mixed_ptr,  # [(L,) num_slots, W, conv_dim] contiguous
+    stash_gb_ptr,  # [(L,) num_slots, W, 2 * Hv] float32 contiguous
     slots_ptr,  # [V] int64 (-1: the last slot)
     lengths_ptr,  # [V] int64
+    num_blocks,  # value-dim blocks a head: program_id(2) is layer * num_blocks + block
+    layer_conv,  # elements between one layer's pools and the next's (L layers stacked)
+    layer_state,
+    layer_stash,
+    layer_gb,
     num_slots,
     W,
     Hk,
@@ -472,7 +477,13 @@ def _gated_deltanet_commit_kernel(
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    block = tl.program_id(2)
+    layer = (tl.program_id(2) // num_blocks).to(tl.int64)
+    block = tl.program_id(2) % num_blocks
+    conv_ptr += layer * layer_conv
+    state_ptr += layer * layer_state
+    stash_qkv_ptr += layer * layer_stash
+    stash_mixed_ptr += layer * layer_stash
+    stash_gb_ptr += layer * layer_gb
     conv_dim = 2 * Hk * Dk + Hv * Dv
     slot = tl.load(slots_ptr + seq)
     slot = tl.where(slot < 0, slot + num_slots, slot)
@@ -582,26 +593,34 @@ def triton_gated_deltanet_verify(
 
 def triton_gated_deltanet_commit(
     num_k_heads: int,
-    conv_pool: torch.Tensor,  # [num_slots, K - 1, conv_dim] contiguous
-    state_pool: torch.Tensor,  # [num_slots, Hv, Dk, Dv] float32 contiguous
-    stash_qkv: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
-    stash_mixed: torch.Tensor,  # [num_slots, W, conv_dim] contiguous
-    stash_gb: torch.Tensor,  # [num_slots, W, 2 * Hv] float32 contiguous
+    conv_pool: torch.Tensor,  # [(L,) num_slots, K - 1, conv_dim] contiguous
+    state_pool: torch.Tensor,  # [(L,) num_slots, Hv, Dk, Dv] float32 contiguous
+    stash_qkv: torch.Tensor,  # [(L,) num_slots, W, conv_dim] contiguous
+    stash_mixed: torch.Tensor,  # [(L,) num_slots, W, conv_dim] contiguous
+    stash_gb: torch.Tensor,  # [(L,) num_slots, W, 2 * Hv] float32 contiguous
     slots: torch.Tensor,  # [V] int64 slots of the verified sequences (-1: the spare last)
     lengths: torch.Tensor,  # [V] int64 rows to keep (past W: W; 0: the slot stays as it is)
     block_v: int | None = None,  # value dims of a program's state slice (default: up to 32)
 ) -> None:
-    """`gated_deltanet_commit_torch` in one launch."""
+    """`gated_deltanet_commit_torch` in one launch; with a leading layer dim on every pool (L
+    layers' pools stacked, `Qwen3_5LM.allocate_states`), that of every layer in one launch."""
     v = slots.shape[0]
     if v == 0:
         return
-    hv, dk, dv = state_pool.shape[1:]
-    taps = conv_pool.shape[1] + 1
+    pools = (conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb)
+    stacked = state_pool.dim() == 5
+    if stacked and len({p.shape[0] for p in pools}) != 1:
+        raise ValueError("stacked pools must hold the same number of layers")
+    layers = state_pool.shape[0] if stacked else 1
+    strides = [p.stride(0) if stacked else 0 for p in (conv_pool, state_pool, stash_qkv, stash_gb)]
+    hv, dk, dv = state_pool.shape[-3:]
+    taps = conv_pool.shape[-2] + 1
     bv = _block_v(dv, block_v)
-    _gated_deltanet_commit_kernel[(v, hv, triton.cdiv(dv, bv))](
-        conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, lengths,
-        state_pool.shape[0], stash_qkv.shape[1], num_k_heads, hv, dk, dv, hv // num_k_heads,
-        dk**-0.5, 1e-6,
+    blocks = triton.cdiv(dv, bv)
+    _gated_deltanet_commit_kernel[(v, hv, blocks * layers)](
+        conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, lengths, blocks,
+        *strides, state_pool.shape[-4], stash_qkv.shape[-2], num_k_heads, hv, dk, dv,
+        hv // num_k_heads, dk**-0.5, 1e-6,
         K=taps, KP=triton.next_power_of_2(taps - 1), BK=triton.next_power_of_2(dk), BV=bv,
         num_warps=4,
     )  # fmt: skip

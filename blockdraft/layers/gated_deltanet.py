@@ -68,6 +68,9 @@ from blockdraft.kernels.select import (
 )
 from blockdraft.layers.linear import fuse_linears, linear, row_parallel_linear
 
+# A layer's state pools, in the order the commit kernels take them.
+STATE_POOLS = ("conv_state", "recurrent_state", "stash_qkv", "stash_mixed", "stash_gb")
+
 
 class RMSNormGated(nn.Module):
     """`weight * rms_norm(x) * silu(z)` per head (normalised in float32, rounded back to x's
@@ -177,20 +180,38 @@ class GatedDeltaNet(nn.Module):
         stash = max_verify_len * (2 * self.conv_dim * elem + 2 * self.num_v_heads * 4)
         return conv + stash + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
 
+    def state_shapes(
+        self, num_slots: int, max_verify_len: int, dtype: torch.dtype
+    ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each state pool, by attribute name (`STATE_POOLS` order)."""
+        hv, dk, dv = self.num_v_heads, self.k_head_dim, self.v_head_dim
+        stash = (num_slots, max_verify_len)
+        return {
+            "conv_state": ((num_slots, self.conv_kernel - 1, self.conv_dim), dtype),
+            "recurrent_state": ((num_slots, hv, dk, dv), torch.float32),
+            "stash_qkv": ((*stash, self.conv_dim), dtype),
+            "stash_mixed": ((*stash, self.conv_dim), dtype),
+            "stash_gb": ((*stash, 2 * hv), torch.float32),
+        }
+
     def allocate_states(
-        self, num_slots: int, max_verify_len: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_slots: int,
+        max_verify_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pools: dict[str, torch.Tensor] | None = None,  # zeroed, by name, as `state_shapes`
     ) -> None:
         """Zeroed pools for num_slots requests; verify blocks of up to max_verify_len rows (0:
-        no speculation, no stash)."""
-        hv, dk, dv = self.num_v_heads, self.k_head_dim, self.v_head_dim
-        self.conv_state = torch.zeros(
-            num_slots, self.conv_kernel - 1, self.conv_dim, dtype=dtype, device=device
-        )
-        self.recurrent_state = torch.zeros(num_slots, hv, dk, dv, device=device)
-        stash = (num_slots, max_verify_len)
-        self.stash_qkv = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
-        self.stash_mixed = torch.zeros(*stash, self.conv_dim, dtype=dtype, device=device)
-        self.stash_gb = torch.zeros(*stash, 2 * hv, device=device)
+        no speculation, no stash). `pools`: tensors made by the caller to use instead (a
+        model's pools of every layer stacked, whose commit is then one launch)."""
+        if pools is None:
+            shapes = self.state_shapes(num_slots, max_verify_len, dtype)
+            pools = {name: torch.zeros(shape, dtype=dt, device=device)
+                     for name, (shape, dt) in shapes.items()}  # fmt: skip
+        for name in STATE_POOLS:
+            setattr(self, name, pools[name])
+        hv = self.num_v_heads
         # A decode's programs arrive per (sequence, key head), and with split heads also per
         # (sequence, value head); a verify's per (sequence, value head).
         counters = num_slots * (self.num_k_heads + hv)

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from blockdraft.kernels.forward_context import current_kernel_policy
 from blockdraft.layers.attention import PagedAttention
 from blockdraft.layers.gated_attention import GatedSelfAttention
-from blockdraft.layers.gated_deltanet import GatedDeltaNet
+from blockdraft.layers.gated_deltanet import STATE_POOLS, GatedDeltaNet
 from blockdraft.layers.linear import norm_linear, norm_prologue_fits
 from blockdraft.layers.mlp import MLP
 from blockdraft.layers.norm import OffsetRMSNorm, input_norm
@@ -207,8 +208,22 @@ class Qwen3_5LM(DecoderLM):
     def allocate_states(
         self, num_slots: int, max_verify_len: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        for layer in self.linear_layers:
-            layer.allocate_states(num_slots, max_verify_len, dtype, device)
+        """Each linear-attention layer's state pools, as views of one tensor per pool
+        stacking every layer's (they all have the same shapes): the commit after a verify is
+        then one launch for every layer (`commit_verified`), not one a layer."""
+        layers = self.linear_layers
+        shapes = [layer.state_shapes(num_slots, max_verify_len, dtype) for layer in layers]
+        self._stacked_states: dict[str, torch.Tensor] | None = None
+        if not layers or any(s != shapes[0] for s in shapes):
+            for layer in layers:
+                layer.allocate_states(num_slots, max_verify_len, dtype, device)
+            return
+        stacked = {name: torch.zeros((len(layers), *shape), dtype=dt, device=device)
+                   for name, (shape, dt) in shapes[0].items()}  # fmt: skip
+        for i, layer in enumerate(layers):
+            pools = {name: pool[i] for name, pool in stacked.items()}
+            layer.allocate_states(num_slots, max_verify_len, dtype, device, pools)
+        self._stacked_states = stacked
 
     def commit_verified(
         self,
@@ -216,9 +231,28 @@ class Qwen3_5LM(DecoderLM):
         lengths: torch.Tensor,  # [V] int64 rows of each verify block to keep
     ) -> None:
         """Every linear-attention layer's state of the verified sequences, at the accepted
-        length (`GatedDeltaNet.commit_verified`)."""
-        for layer in self.linear_layers:
-            layer.commit_verified(slots, lengths)
+        length: with the fused commit kernel (`KernelPolicy.fuse_gated_deltanet_verify`) and
+        stacked pools, one launch for all layers; else `GatedDeltaNet.commit_verified` a
+        layer."""
+        layers = self.linear_layers
+        fused = None
+        if current_kernel_policy().fuse_gated_deltanet_verify and self._states_stacked():
+            fused = layers[0]._fused_commit(slots.device)
+        if fused is None:
+            for layer in layers:
+                layer.commit_verified(slots, lengths)
+            return
+        stacked = self._stacked_states
+        fused(layers[0].num_k_heads, *(stacked[name] for name in STATE_POOLS), slots, lengths)
+
+    def _states_stacked(self) -> bool:
+        """Whether every layer still uses its view of the stacked pools."""
+        stacked = getattr(self, "_stacked_states", None)
+        return stacked is not None and all(
+            getattr(layer, name).data_ptr() == pool[i].data_ptr()
+            for i, layer in enumerate(self.linear_layers)
+            for name, pool in stacked.items()
+        )
 
     @staticmethod
     def checkpoint_tensors(

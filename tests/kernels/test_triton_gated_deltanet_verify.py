@@ -145,6 +145,25 @@ def test_commit_matches_twin(
 
 
 @needs_triton
+def test_commit_of_stacked_layers_is_each_layers_commit(rng) -> None:
+    """Pools of three layers stacked on a leading dim commit in one launch exactly as each
+    layer's own pools commit alone (bit for bit), with two value blocks a head; pools whose
+    layer counts differ are refused."""
+    hk, hv, dk, dv, taps, dtype = 1, 2, 8, 16, 4, torch.float32
+    conv_dim = 2 * hk * dk + hv * dv
+    layers = [pools(rng, hv, dk, dv, conv_dim, taps, dtype) for _ in range(3)]
+    stacked = [torch.stack(parts) for parts in zip(*layers, strict=True)]
+    slots, lengths = tensor([3, 0, -1]), tensor([2, WIDTH + 1, 0])
+    for layer in layers:
+        triton_gated_deltanet_commit(hk, *layer, slots, lengths, block_v=8)
+    triton_gated_deltanet_commit(hk, *stacked, slots, lengths, block_v=8)
+    for got, parts in zip(stacked, zip(*layers, strict=True), strict=True):
+        assert torch.equal(got, torch.stack(parts))
+    with pytest.raises(ValueError, match="same number of layers"):
+        triton_gated_deltanet_commit(hk, *stacked[:4], stacked[4][:2], slots, lengths)
+
+
+@needs_triton
 @pytest.mark.parametrize("lengths", [[16, 11], [20, 3]])
 @pytest.mark.parametrize("aligned", [False, True])
 def test_chunked_verify_of_long_blocks(rng, lengths: list[int], aligned: bool) -> None:

@@ -119,6 +119,50 @@ def test_forward_matches_transformers(rng, fused: bool) -> None:
     assert rel_err(torch.cat(out), ref) < 1e-4
 
 
+@needs_triton
+def test_commit_of_every_layer_is_one_launch(rng, set_policy, monkeypatch) -> None:
+    """The model's state pools are views of one tensor per pool stacking its linear layers':
+    the Triton commit after a verify is one launch for every layer, bit for bit each layer's
+    own commit; a layer whose pool was replaced takes the per-layer commits."""
+    from blockdraft.kernels import triton_gated_deltanet_verify as kernels
+
+    set_policy(backend="triton")
+    hf = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5, num_heads=2,
+              num_kv_heads=1, head_dim=16, tie_word_embeddings=False, seed=0)  # fmt: skip
+    model = Qwen3_5LM(qwen3_5_config(_qwen3_5_model(**hf).config.to_dict()))
+    model.allocate_states(4, 6, torch.float32, CPU)
+    layers = model.linear_layers
+    assert len(layers) >= 3
+    for i, layer in enumerate(layers):
+        for name, pool in model._stacked_states.items():
+            assert getattr(layer, name).data_ptr() == pool[i].data_ptr()
+        layer.recurrent_state.normal_(generator=rng)
+        layer.conv_state.normal_(generator=rng)
+        layer.stash_qkv.normal_(generator=rng)
+        layer.stash_mixed.normal_(generator=rng)
+        layer.stash_gb.copy_(torch.rand(layer.stash_gb.shape, generator=rng) - 0.5)
+    start = {name: pool.clone() for name, pool in model._stacked_states.items()}
+    slots, lengths = torch.tensor([2, 0]), torch.tensor([3, 6])
+    calls = count_calls(monkeypatch, kernels, "triton_gated_deltanet_commit")
+    with torch.inference_mode():
+        model.commit_verified(slots, lengths)
+    assert len(calls) == 1
+    got = {name: pool.clone() for name, pool in model._stacked_states.items()}
+    assert not torch.equal(got["recurrent_state"], start["recurrent_state"])
+    for name, pool in model._stacked_states.items():
+        pool.copy_(start[name])
+    with torch.inference_mode():
+        for layer in layers:
+            layer.commit_verified(slots, lengths)
+    for name, pool in model._stacked_states.items():
+        assert torch.equal(pool, got[name]), name
+    layers[0].recurrent_state = layers[0].recurrent_state.clone()
+    calls.clear()
+    with torch.inference_mode():
+        model.commit_verified(slots, lengths)
+    assert len(calls) == len(layers)
+
+
 def tiny_deltanet(rng: torch.Generator, slots: int, max_verify: int) -> GatedDeltaNet:
     layer = GatedDeltaNet(32, 2, 4, 8, 8, 4, 1e-6).requires_grad_(False)
     for p in layer.parameters():
