@@ -249,9 +249,9 @@ def skinny_linear(
 
     With rms_norm = (norm_weight, eps), the GEMM's input is `rms_norm_torch(x, norm_weight,
     eps, residual, offset=norm_offset)`, formed in the kernel's loads exactly as
-    `triton_rms_norm` forms it; with a
-    residual the new stream x + residual is written to residual_out (required, and not
-    aliasing x or residual: other programs still read them while it is written)."""
+    `triton_rms_norm` forms it; with a residual the new stream x + residual is written to
+    residual_out (required, and not aliasing x or residual: other programs still read them
+    while it is written)."""
     width = x.shape[-1]
     k = width // 2 if silu_mul_input else width
     n = weight.shape[0]
