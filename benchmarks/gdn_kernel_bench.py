@@ -105,7 +105,7 @@ def bench_batch(
     """[(kernel, torch us, triton us, max |diff|)] for one batch size."""
     from blockdraft.kernels.gated_delta_rule import gated_deltanet_decode_torch
     from blockdraft.kernels.triton_gated_deltanet_step import (
-        decode_block_v,
+        state_block_v,
         triton_gated_deltanet_decode,
     )
     from blockdraft.kernels.triton_gated_deltanet_verify import (
@@ -134,7 +134,7 @@ def bench_batch(
         reps,
     )
     results.append(("decode", *times, err))
-    value_blocks = -(-heads[3] // decode_block_v(heads[3]))
+    value_blocks = -(-heads[3] // state_block_v(heads[3]))
     for v_splits in (v for v in decode_v_splits if v <= value_blocks):
         split = [p.clone() for p in pools]
 

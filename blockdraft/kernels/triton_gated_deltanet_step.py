@@ -231,11 +231,11 @@ def _gated_deltanet_decode_kernel(
                    Dv, norm_eps, BV, ROUND_PRODUCT)  # fmt: skip
 
 
-def decode_block_v(dv: int, block_v: int | None = None) -> int:
-    """Value dims of a decode program's state block: `block_v`, else up to 32. Blocks of 32
-    value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads spill heavily
-    (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes). A head splits over at most
-    cdiv(dv, this) programs."""
+def state_block_v(dv: int, block_v: int | None = None) -> int:
+    """Value dims of a state block (the decode, verify and commit kernels' programs): `block_v`,
+    else up to 32. Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole
+    128-dim heads spill heavily (8 warps: 15 KB of spill stores a program; 32 dims: 96 bytes).
+    A decode's head splits over at most cdiv(dv, this) programs."""
     return block_v or min(triton.next_power_of_2(dv), 32)
 
 
@@ -275,7 +275,7 @@ def triton_gated_deltanet_decode(
     if s == 0:
         return out
     bk = triton.next_power_of_2(dk)
-    bv = decode_block_v(dv, block_v)
+    bv = state_block_v(dv, block_v)
     blocks = triton.cdiv(dv, bv)
     if v_splits is None:
         v_splits = max(1, min(blocks, fill_programs // (s * hv)))

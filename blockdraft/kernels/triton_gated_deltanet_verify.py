@@ -39,6 +39,7 @@ from blockdraft.kernels.gated_deltanet_verify import (
 )
 from blockdraft.kernels.pdl import launch_options, pdl_enabled, pdl_start
 from blockdraft.kernels.triton_gated_delta_rule import _delta_step, _gate_inputs
+from blockdraft.kernels.triton_gated_deltanet_step import state_block_v
 
 __all__ = [
     "gated_deltanet_commit_torch",
@@ -523,12 +524,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _block_v(dv: int, block_v: int | None) -> int:
-    # Blocks of 32 value dims (4 warps), as the recurrence kernel: on sm_90 whole 128-dim heads
-    # spill heavily.
-    return block_v or min(triton.next_power_of_2(dv), 32)
-
-
 def _check_verify_shapes(rows: int, width: int, taps: int) -> None:
     if rows > width:
         raise ValueError(f"verify blocks of {rows} rows exceed the stash's {width}")
@@ -572,7 +567,7 @@ def triton_gated_deltanet_verify(
         return out
     if counters is None or counters.numel() < s * hv:
         counters = torch.zeros(s * hv, dtype=torch.int32, device=qkv.device)
-    bv = _block_v(dv, block_v)
+    bv = state_block_v(dv, block_v)
     blocks = triton.cdiv(dv, bv)
     qkv, b_a, z = _rows(qkv), _rows(b_a), _rows(z)
     round_product = torch.result_type(norm_weight, out) == out.dtype != torch.float32
@@ -615,7 +610,7 @@ def triton_gated_deltanet_commit(
     strides = [p.stride(0) if stacked else 0 for p in (conv_pool, state_pool, stash_qkv, stash_gb)]
     hv, dk, dv = state_pool.shape[-3:]
     taps = conv_pool.shape[-2] + 1
-    bv = _block_v(dv, block_v)
+    bv = state_block_v(dv, block_v)
     blocks = triton.cdiv(dv, bv)
     _gated_deltanet_commit_kernel[(v, hv, blocks * layers)](
         conv_pool, state_pool, stash_qkv, stash_mixed, stash_gb, slots, lengths, blocks,

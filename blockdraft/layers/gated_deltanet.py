@@ -26,6 +26,7 @@ hold the rank's heads only.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -173,12 +174,10 @@ class GatedDeltaNet(nn.Module):
         )
 
     def state_bytes(self, dtype: torch.dtype, max_verify_len: int) -> int:
-        """Bytes of one slot: conv state and verify stash in `dtype` (g, beta in float32),
-        recurrent state in float32."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        conv = (self.conv_kernel - 1) * self.conv_dim * elem
-        stash = max_verify_len * (2 * self.conv_dim * elem + 2 * self.num_v_heads * 4)
-        return conv + stash + self.num_v_heads * self.k_head_dim * self.v_head_dim * 4
+        """Bytes of one slot of the pools `state_shapes` lists: conv state and verify stash in
+        `dtype` (g, beta in float32), recurrent state in float32."""
+        shapes = self.state_shapes(1, max_verify_len, dtype).values()
+        return sum(math.prod(shape) * dt.itemsize for shape, dt in shapes)
 
     def state_shapes(
         self, num_slots: int, max_verify_len: int, dtype: torch.dtype

@@ -192,6 +192,8 @@ class Qwen3_5LM(DecoderLM):
     builds each layer's MLP (the MoE families pass their own)."""
 
     model_class = HybridDecoderModel
+    # Every linear layer's state pools stacked, by name (`allocate_states`); None: per layer.
+    _stacked_states: dict[str, torch.Tensor] | None = None
 
     @property
     def attention_layers(self) -> list[PagedAttention]:
@@ -213,7 +215,7 @@ class Qwen3_5LM(DecoderLM):
         then one launch for every layer (`commit_verified`), not one a layer."""
         layers = self.linear_layers
         shapes = [layer.state_shapes(num_slots, max_verify_len, dtype) for layer in layers]
-        self._stacked_states: dict[str, torch.Tensor] | None = None
+        self._stacked_states = None
         if not layers or any(s != shapes[0] for s in shapes):
             for layer in layers:
                 layer.allocate_states(num_slots, max_verify_len, dtype, device)
@@ -247,7 +249,7 @@ class Qwen3_5LM(DecoderLM):
 
     def _states_stacked(self) -> bool:
         """Whether every layer still uses its view of the stacked pools."""
-        stacked = getattr(self, "_stacked_states", None)
+        stacked = self._stacked_states
         return stacked is not None and all(
             getattr(layer, name).data_ptr() == pool[i].data_ptr()
             for i, layer in enumerate(self.linear_layers)
