@@ -162,6 +162,10 @@ PROBE_BUDGET = 0.005
 # it within the prior's `explore_margin` of the best rate and above plain decoding's: once per
 # batch bucket and N (step_costs.CUDA_EXPLORE_MARGIN on a GPU, none on the CPU).
 EXPLORE_STEPS = STEADY_AFTER + 3
+# A run of plain decode steps is timed step by step until the cost window is full, then every
+# DECODE_TIMING_STRIDE-th step: a steady idle batch's decode time moves slowly, and on a small
+# host-bound target each timing cost ~15 us of a ~1 ms step (an H200's host; record and median).
+DECODE_TIMING_STRIDE = 8
 
 
 class AcceptanceEstimate:
@@ -345,11 +349,12 @@ class DraftLengthChooser:
     ) -> None:
         """A step's wall time (every step's, in order), kept when the step was uniform (no
         prefill; every chunk verified and proposed `num_drafts`) and steady (STEADY_AFTER
-        uniform steps of its batch and N before it): only then is it cost(batch, N). The steps
-        of a probe's span time the probe instead. `pipelined=False`: a step launched ahead
-        that launched none after it (async decode's pipeline drains before a drafting step or
-        when a request finishes): it overlapped the step before by however long the host
-        worked or waited in between, so its time says more about the caller than about a
+        uniform steps of its batch and N before it): only then is it cost(batch, N), and of a
+        long plain decode run only one step in DECODE_TIMING_STRIDE once its window is full.
+        The steps of a probe's span time the probe instead. `pipelined=False`: a step launched
+        ahead that launched none after it (async decode's pipeline drains before a drafting
+        step or when a request finishes): it overlapped the step before by however long the
+        host worked or waited in between, so its time says more about the caller than about a
         plain decode step (0.2-0.5 ms against a steady 25.6 on an H100, 27B shape, under a
         benchmark that synced the device before each step)."""
         if self.probe_timing is not None:
@@ -364,8 +369,11 @@ class DraftLengthChooser:
         batch, n, count = self.uniform_run
         count = count + 1 if (batch, n) == (len(chunks), num_drafts) else 1
         self.uniform_run = (len(chunks), num_drafts, count)
-        if count > STEADY_AFTER and pipelined:
-            self.record_step(len(chunks), num_drafts, seconds)
+        if count <= STEADY_AFTER or not pipelined:
+            return
+        if not num_drafts and count > STEADY_AFTER + COST_WINDOW and count % DECODE_TIMING_STRIDE:
+            return
+        self.record_step(len(chunks), num_drafts, seconds)
 
     def _time_probe(self, seconds: float) -> None:
         batch, left, total = self.probe_timing

@@ -19,6 +19,7 @@ from blockdraft.spec_decode.draft_length import (
     ALPHA_BINS,
     CALIBRATION_STEPS,
     DECODE_RECHECK_SPACING,
+    DECODE_TIMING_STRIDE,
     IDLE_AGE_STEPS,
     IDLE_DECAY,
     MAX_PROBE_FLOOR,
@@ -260,6 +261,36 @@ def test_only_steady_uniform_steps_are_timed(rng) -> None:
     for _ in range(STEADY_AFTER + 1):  # steady drafting is timed the same way
         step(3, 3, 3 * steady)
     assert chooser.costs.cost(batch, 3) == 3 * steady
+
+
+def test_a_long_plain_decode_run_is_timed_at_a_stride(rng) -> None:
+    """A run of plain decode steps is timed step by step until its cost window is full, then
+    one step in DECODE_TIMING_STRIDE (each timing is host time on a small target); a steady
+    drafting run is timed every step."""
+    r = py_random(rng)
+    batch = r.randint(1, 16)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cuda")
+    timed: list[tuple[int, float]] = []
+    chooser.record_step = lambda b, n, seconds: timed.append((n, seconds))
+    chunk = SimpleNamespace(num_drafts=0, token_ids=[0])
+    run_length = STEADY_AFTER + COST_WINDOW + r.randint(3, 6) * DECODE_TIMING_STRIDE
+    times = [r.uniform(0.001, 0.01) for _ in range(run_length)]
+    for seconds in times:
+        chooser.record_if_uniform([chunk] * batch, 0, seconds)
+    counts = range(1, run_length + 1)  # the uniform run's count at each step
+    expected = [
+        (0, t)
+        for count, t in zip(counts, times, strict=True)
+        if count > STEADY_AFTER
+        and (count <= STEADY_AFTER + COST_WINDOW or count % DECODE_TIMING_STRIDE == 0)
+    ]
+    assert timed == expected
+    assert len(expected) < COST_WINDOW + run_length // DECODE_TIMING_STRIDE + 1
+    timed.clear()
+    drafting = SimpleNamespace(num_drafts=3, token_ids=[0] * 4)
+    for seconds in times:
+        chooser.record_if_uniform([drafting] * batch, 3, seconds)
+    assert timed == [(3, t) for t in times[STEADY_AFTER:]]
 
 
 def test_most_drafts_when_they_always_land(rng) -> None:
