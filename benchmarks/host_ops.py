@@ -11,6 +11,12 @@ kernel where the CPU runs their torch twin (`kernels/select.py`): read the sites
 total, as the launch budget.
 
     python benchmarks/host_ops.py [--steps 20] [--num-drafts 15] [--json out.json]
+
+`--time`: also the host's own time a step, with the graphs' replays skipped (their outputs
+stay as captured): plain decoding against a speculative engine whose N is pinned to 0, both
+with async decode, taking turns. On a GPU a small target's step is bound by this time, so the
+difference is what keeping a drafter costs there. Medians of `--passes` passes of
+`--time-steps` steps each.
 """
 
 from __future__ import annotations
@@ -19,12 +25,15 @@ import argparse
 import collections
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -118,12 +127,50 @@ def count_step_ops(
     return counter.sites
 
 
+@contextlib.contextmanager
+def replays_skipped() -> Iterator[None]:
+    """Graph replays (their CPU twins) do nothing: a step costs only the host's own work."""
+    replay = EagerGraph.replay
+    EagerGraph.replay = lambda self: None
+    try:
+        yield
+    finally:
+        EagerGraph.replay = replay
+
+
+def host_step_us(
+    engines: dict[str, LLM], temperature: float, steps: int, passes: int
+) -> dict[str, float]:
+    """Median microseconds a step of one request, per engine, with replays skipped; the
+    engines take turns pass by pass."""
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=10_000, ignore_eos=True)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    with replays_skipped():
+        for _ in range(passes):
+            for name, llm in engines.items():
+                engine = llm.engine
+                engine.add_request("timed", list(range(5, 45)), params)
+                for _ in range(10):  # prefill, and the pipeline and chooser settle
+                    engine.step()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                times[name].append((time.perf_counter() - t0) / steps * 1e6)
+                engine.abort_request("timed")
+                while engine.has_unfinished_requests():
+                    engine.step()
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--num-drafts", type=int, default=15)
     p.add_argument("--top", type=int, default=8, help="call sites listed per row")
     p.add_argument("--requests", type=int, default=1, help="requests decoded together")
+    p.add_argument("--time", action="store_true", help="also time the host's own work a step")
+    p.add_argument("--time-steps", type=int, default=300)
+    p.add_argument("--passes", type=int, default=5)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp())
@@ -170,6 +217,23 @@ def main(argv: list[str] | None = None) -> dict:
         ["engine", "T", "ops/step", "top call sites (ops/step)"],
         table,
     )
+    if args.time:
+        timed = {k: engines[k] for k in ("AR, async decode", "DFlash N = 0, async decode")}
+        rows = []
+        for temperature in (0.0, 1.0):
+            us = host_step_us(timed, temperature, args.time_steps, args.passes)
+            ar = us["AR, async decode"]
+            for name, t in us.items():
+                rows.append([name, temperature, t, t - ar])
+                results.setdefault("host_us", []).append(
+                    {"engine": name, "temperature": temperature, "us_per_step": t}
+                )
+        print_table(
+            f"host time a step, graph replays skipped (tiny Qwen3, CPU, {torch.get_num_threads()} "
+            f"threads, median of {args.passes} x {args.time_steps} steps)",
+            ["engine", "T", "us/step", "over AR"],
+            rows,
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

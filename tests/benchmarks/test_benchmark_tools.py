@@ -38,7 +38,10 @@ def test_triton_compile_log_records_kernels_only_inside_timed_phases() -> None:
 def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     from benchmarks import host_ops
 
-    rows = host_ops.main(["--steps", "3", "--num-drafts", "3"])["rows"]
+    results = host_ops.main(
+        ["--steps", "3", "--num-drafts", "3", "--time", "--time-steps", "5", "--passes", "1"]
+    )
+    rows = results["rows"]
     ops = {(r["engine"], r["temperature"]): r for r in rows}
     assert 0 < ops["AR", 0.0]["ops_per_step"] < ops["DFlash", 0.0]["ops_per_step"]
     # Sampling at T = 1 hashes its random numbers: more ops than the greedy argmax.
@@ -47,7 +50,17 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     assert "rejection_sampler.rejection_sample" in sites
     # The MLP only runs inside the forwards that CUDA graphs capture: never counted.
     assert not any(s.startswith("mlp.down") for s in sites)
-    assert "eager ops per step" in capsys.readouterr().out
+    # --time: the host's own time a step (replays skipped) for AR and the idle engine, T = 0 / 1
+    timed = {(r["engine"], r["temperature"]): r["us_per_step"] for r in results["host_us"]}
+    assert set(timed) == {
+        (e, t) for e in ("AR, async decode", "DFlash N = 0, async decode") for t in (0.0, 1.0)
+    }
+    assert all(0 < us < 1e6 for us in timed.values())
+    from blockdraft.runtime.cuda_graph_runner import EagerGraph
+
+    assert EagerGraph.replay is not None and "lambda" not in EagerGraph.replay.__qualname__
+    out = capsys.readouterr().out
+    assert "eager ops per step" in out and "host time a step" in out
 
 
 @pytest.mark.slow
