@@ -374,6 +374,8 @@ def test_norms_fuse_into_the_skinny_projections(hybrid_target: Path, rng, monkey
     q/gate/k/v) and its post-attention norm in the dense MLP's gate_up, all in the norm's
     offset form; greedy output is that of the norms as kernels of their own and, in the
     interpreter (float32), transformers'."""
+    from blockdraft.kernels import triton_linear
+
     offsets: list[bool] = []
     backend = linear_layer.get_linear_backend
 
@@ -381,9 +383,13 @@ def test_norms_fuse_into_the_skinny_projections(hybrid_target: Path, rng, monkey
         run = backend(device)
 
         def spy(x, weight, bias, **prologue):
-            if "rms_norm" in prologue:
-                offsets.append(prologue["norm_offset"])
-            return run(x, weight, bias, **prologue)
+            if "rms_norm" not in prologue:
+                return run(x, weight, bias, **prologue)
+            offsets.append(prologue["norm_offset"])
+            # On the CPU the prologues run in the Triton kernel (interpreted), every other
+            # kernel as its torch twin (the kernel tests hold each pair to each other): the
+            # whole engine twice in the interpreter took ~100 s of the suite.
+            return triton_linear.skinny_linear(x, weight, bias, **prologue)
 
         return spy
 
@@ -393,7 +399,8 @@ def test_norms_fuse_into_the_skinny_projections(hybrid_target: Path, rng, monkey
 
     def generate(fuse: bool) -> list[list[int]]:
         # The skinny GEMM for decode's rows only (prefill's in the interpreter is slow).
-        policy = KernelPolicy(backend="triton", skinny_device_type=DEVICE.type,
+        kernels = "triton" if DEVICE.type == "cuda" else "torch"
+        policy = KernelPolicy(backend=kernels, skinny_device_type=DEVICE.type,
                               skinny_max_rows=2, fuse_norm_into_skinny=fuse)  # fmt: skip
         llm = LLM(str(hybrid_target), kernel_policy=policy, device=str(DEVICE), dtype="float32",
                   max_num_seqs=2, num_kv_blocks=16, block_size=4, max_model_len=32)  # fmt: skip
