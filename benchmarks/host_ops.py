@@ -16,7 +16,8 @@ total, as the launch budget.
 stay as captured): plain decoding against a speculative engine whose N is pinned to 0, both
 with async decode, taking turns. On a GPU a small target's step is bound by this time, so the
 difference is what keeping a drafter costs there. Medians of `--passes` passes of
-`--time-steps` steps each.
+`--time-steps` steps each; on a shared 2-vCPU host runs of one build moved by ~20 us, as much
+as the difference: read it on a quiet host.
 """
 
 from __future__ import annotations

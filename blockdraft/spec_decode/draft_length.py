@@ -164,7 +164,8 @@ PROBE_BUDGET = 0.005
 EXPLORE_STEPS = STEADY_AFTER + 3
 # A run of plain decode steps is timed step by step until the cost window is full, then every
 # DECODE_TIMING_STRIDE-th step: a steady idle batch's decode time moves slowly, and on a small
-# host-bound target each timing cost ~15 us of a ~1 ms step (an H200's host; record and median).
+# host-bound target each timing (the window, its median, the chooser's bookkeeping) cost ~10 us
+# of a ~1 ms step on an H200's host (~15 us on a 2-vCPU one, ~6 with the stride).
 DECODE_TIMING_STRIDE = 8
 
 
