@@ -54,6 +54,43 @@ _round_interpreted_bf16_casts_to_nearest()
 torch.set_num_threads(1)
 
 
+# A test worker (pytest-xdist) holds torch, the tiny models and the interpreter's state: ~1-2 GiB
+# at its peak; this much memory per worker leaves room for the engines' own worker processes.
+WORKER_MEMORY_BYTES = 4 << 30
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask, within a cgroup v2 CPU quota if any."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else max(1, min(cpus, int(quota) // int(period)))
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return kib << 10
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker per usable CPU (every test keeps to one thread, so hyperthreads count;
+    pytest-xdist's own count takes psutil's physical cores, one on a 2-vCPU machine of one
+    core's two threads, or a container's host's), and no more than memory holds."""
+    workers = _usable_cpus()
+    memory = _available_memory()
+    if memory is not None:
+        workers = min(workers, max(1, memory // WORKER_MEMORY_BYTES))
+    return workers
+
+
 @pytest.fixture(autouse=True)
 def one_thread_after_each_test() -> Iterator[None]:
     """A test that starts an engine on more threads (`num_threads=2`) leaves the process on
