@@ -65,7 +65,8 @@ def _usable_cpus() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
     try:
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
     except (OSError, ValueError):
         return cpus
     return cpus if quota == "max" else max(1, min(cpus, int(quota) // int(period)))
