@@ -46,7 +46,10 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   102 ms against a calm 37, drafting steps timed calm at 53, for 470 steps).
 - exploring: the chooser only times the N it drafts, so an N that the prior prices a little
   worse than the best is drafted for a few steps once per batch bucket, once the best is
-  timed, to be timed too (on a GPU: `step_costs.CUDA_EXPLORE_MARGIN`).
+  timed, to be timed too (on a GPU: `step_costs.CUDA_EXPLORE_MARGIN`). For the same reason an
+  N timed long ago (DRAFT_RETIME_SPACING) is drafted for as many steps again when the prior,
+  scaled from the chosen N's timing, prices it above the chosen N: one timed in a slow stretch
+  would otherwise stay dearer than its neighbours for good.
 - probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
   one step every `probe_interval` steps. The interval doubles at each probe that finds the
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
@@ -140,6 +143,20 @@ RECALIBRATE_BUDGET = 0.005
 # that lasts is not chased every few steps), up to RECALIBRATE_INTERVAL; a drafting step timed
 # dearer than decode resets it.
 DECODE_RECHECK_SPACING = 16
+# A drafting N is timed only while it is drafted, so one timed in a slow stretch stays priced
+# above the N chosen instead for as long as the engine runs (2 CPU threads beside a test on the
+# other core: an agreeing drafter settled on N = 6 over the largest, 7, timed in a burst of
+# load in 2 steps). A drafting N timed in fewer steps than the cost window holds, whose timing
+# has stood this many steps, is taken again (EXPLORE_STEPS steps of it) when the prior, scaled
+# from the chosen N's timing, prices it above the chosen N: one N at a time per bucket, this
+# many steps apart. Each re-timing adds to the N's window, so an N is taken again at most twice
+# per bucket: where the prior misprices a dearer N (the GPU's is one line through every N), the
+# cost is a few steps once, not a steady share.
+DRAFT_RETIME_SPACING = 16
+# Due re-timings are looked for every this many steps (the look weighs every timed N: host
+# time on every drafting step of a small target otherwise).
+RETIME_CHECK_STRIDE = 4
+FULL_WINDOW = (0.0,) * COST_WINDOW  # an N never timed: nothing to take again
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
 # Steps whose wall time a probe changes: the one that chose it (async decode launches nothing
@@ -248,6 +265,10 @@ class DraftLengthChooser:
     # before it is taken again for that (DECODE_RECHECK_SPACING, doubling at each recheck).
     decode_suspect: set[int] = field(default_factory=set)
     decode_recheck_spacing: dict[int, int] = field(default_factory=dict)
+    # (bucket, N > 0) -> the step its last timing was taken; bucket -> the step of its last
+    # re-timing (DRAFT_RETIME_SPACING).
+    draft_timed_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    retimed_at: dict[int, int] = field(default_factory=dict)
     # The uniform steps in a row so far: (batch, N, how many).
     uniform_run: tuple[int, int, int] = (0, 0, 0)
     # The probe being timed: (batch, steps of its span left, seconds so far); None: none.
@@ -339,7 +360,9 @@ class DraftLengthChooser:
         if not num_drafts:
             self.decode_timed_at[bucket] = self.num_steps
             self.decode_suspect.discard(bucket)
-        elif measured.get((bucket, 0), 0.0) >= measured[(bucket, num_drafts)]:
+            return
+        self.draft_timed_at[(bucket, num_drafts)] = self.num_steps
+        if measured.get((bucket, 0), 0.0) >= measured[(bucket, num_drafts)]:
             # A step that verifies and drafts does all a decode step does and more.
             self.decode_suspect.add(bucket)
         else:
@@ -474,7 +497,9 @@ class DraftLengthChooser:
             # The ramp lasts till N reaches the largest allowed: a step within the cap (N = 2
             # after a probe of 1) is no licence to jump to 5 at the next.
             self.ramp = max(self.ramp, best) if self.ramp and best < allowed[-1] else 0
-            return self._explore(batch, best, rates)
+            if (explored := self._explore(batch, best, rates)) != best or self.ramp:
+                return explored  # (a ramp's steps are not re-timings' to take)
+            return self._retime(batch, best, tokens, rates)
         if idle < 0:
             self.idle_stretches, self.probed_in_stretch = self.idle_stretches + 1, False
         self.idle_steps = idle + 1
@@ -575,6 +600,36 @@ class DraftLengthChooser:
         self.explored.add((bucket, n))
         self.exploring = (batch, n, EXPLORE_STEPS - 1)
         return n
+
+    def _retime(self, batch: int, best: int, tokens: list[float], rates: dict[int, float]) -> int:
+        """`best`, or a drafting N whose timing is due to be taken again (DRAFT_RETIME_SPACING),
+        whose first step this is: one the prior, scaled from `best`'s timing, prices above
+        `best` (the most tokens a second of those, when several are due)."""
+        if self.num_steps % RETIME_CHECK_STRIDE:
+            return best
+        costs = self.costs
+        bucket = costs.bucket(batch)
+        best_cost = costs.measured.get((bucket, best))
+        if best_cost is None:
+            return best
+        unit = best_cost / costs.prior(batch, best)
+        since_retimed = self.num_steps - self.retimed_at.get(bucket, 0)
+        due, due_rate = 0, rates[best] * (1.0 + MIN_DRAFT_GAIN)  # drafting's margin taken off
+        for n in rates:
+            key = (bucket, n)
+            if not n or n == best or len(costs.samples.get(key, FULL_WINDOW)) >= COST_WINDOW:
+                continue
+            stood = min(since_retimed, self.num_steps - self.draft_timed_at.get(key, 0))
+            if stood < DRAFT_RETIME_SPACING:
+                continue
+            rate = tokens[n] / (unit * costs.prior(batch, n))
+            if rate > due_rate:
+                due, due_rate = n, rate
+        if not due:
+            return best
+        self.retimed_at[bucket] = self.num_steps
+        self.exploring = (batch, due, EXPLORE_STEPS - 1)
+        return due
 
     def _continue_exploring(self, batch: int, allowed: tuple[int, ...]) -> int | None:
         """The N under exploration while its steps last at the same batch; else None."""

@@ -20,6 +20,8 @@ from blockdraft.spec_decode.draft_length import (
     CALIBRATION_STEPS,
     DECODE_RECHECK_SPACING,
     DECODE_TIMING_STRIDE,
+    DRAFT_RETIME_SPACING,
+    EXPLORE_STEPS,
     IDLE_AGE_STEPS,
     IDLE_DECAY,
     MAX_PROBE_FLOOR,
@@ -30,6 +32,7 @@ from blockdraft.spec_decode.draft_length import (
     PROBE_SPAN,
     RECALIBRATE_BUDGET,
     RECALIBRATE_INTERVAL,
+    RETIME_CHECK_STRIDE,
     STEADY_AFTER,
     AcceptanceEstimate,
     DraftLengthChooser,
@@ -682,10 +685,39 @@ def test_explores_a_draft_length_the_prior_prices_close_to_the_best(rng) -> None
     assert chooser.schedule.allowed(chooser.schedule.num_drafts(batch)) == (0, 3, 7)
     chosen = run_timed(chooser, alphas, r, 80, seconds)
     assert 3 not in chosen[: chosen.index(7)]  # the prior's pick first
-    assert chosen[-30:] == [3] * 30, chosen
+    # 7, timed in a few steps, may be timed again once (DRAFT_RETIME_SPACING), and stays dearer.
+    tail = chosen[-30:]
+    assert tail.count(3) >= 30 - EXPLORE_STEPS and set(tail) <= {3, 7}, chosen
     assert chooser.explored == {(chooser.costs.bucket(batch), 3)}
     chosen = run_timed(trusted_chooser(0.86, explore=False), alphas, r, 80, seconds)
     assert 3 not in chosen and chosen[-30:] == [7] * 30, chosen
+
+
+@pytest.mark.parametrize("retime", [True, False])
+def test_times_again_a_draft_length_timed_in_a_slow_stretch(rng, monkeypatch, retime) -> None:
+    """A drafter that agrees: the largest N pays most, but its two timed steps fell in a burst
+    of load (2.5x) while the N below it was timed calm. The chooser takes the largest again
+    once its timing has stood DRAFT_RETIME_SPACING steps, and keeps it; without re-timing it
+    would stay one short of it for good."""
+    if not retime:
+        monkeypatch.setattr(draft_length, "DRAFT_RETIME_SPACING", 10**9)
+    r = py_random(rng)
+    chooser = DraftLengthChooser.for_device(adaptive_schedule(), "cpu")
+    set_drafter_prior(chooser, 0.97)
+    decode = r.uniform(0.01, 0.05)
+    seconds = {n: decode * chooser.costs.prior(1, n) for n in range(NUM_SPEC + 1)}
+    for n in range(1, NUM_SPEC):  # timed calm, a full window each
+        for _ in range(COST_WINDOW):
+            chooser.record_step(1, n, seconds[n])
+    for _ in range(2):
+        chooser.record_step(1, NUM_SPEC, 2.5 * seconds[NUM_SPEC])
+    chosen = run_timed(chooser, [0.97], r, 120, seconds)  # its 2 slow steps timed at step 0
+    if retime:
+        first = chosen.index(NUM_SPEC)  # choose() counts from 1: index + 1 steps have stood
+        assert DRAFT_RETIME_SPACING <= first + 1 < DRAFT_RETIME_SPACING + RETIME_CHECK_STRIDE
+        assert chosen[first:] == [NUM_SPEC] * (120 - first), chosen
+    else:
+        assert NUM_SPEC not in chosen and chosen[-20:] == [NUM_SPEC - 1] * 20, chosen
 
 
 def test_no_exploration_where_the_prior_prices_an_n_far_below_the_best(rng) -> None:
