@@ -48,8 +48,9 @@ verify and the drafter's block are uniform (one CUDA graph per 1+N).
   worse than the best is drafted for a few steps once per batch bucket, once the best is
   timed, to be timed too (on a GPU: `step_costs.CUDA_EXPLORE_MARGIN`). For the same reason an
   N timed long ago (DRAFT_RETIME_SPACING) is drafted for as many steps again when the prior,
-  scaled from the chosen N's timing, prices it above the chosen N: one timed in a slow stretch
-  would otherwise stay dearer than its neighbours for good.
+  scaled from the chosen N's timing, prices it above the chosen N (on the CPU, whose prior is a
+  fit of measured steps): one timed in a slow stretch would otherwise stay dearer than its
+  neighbours for good.
 - probing: alpha only moves at verifies, so a batch at N = 0 drafts the smallest allowed N for
   one step every `probe_interval` steps. The interval doubles at each probe that finds the
   batch's mean alpha no higher than its lowest since the previous probe (text that stays
@@ -150,8 +151,7 @@ DECODE_RECHECK_SPACING = 16
 # has stood this many steps, is taken again (EXPLORE_STEPS steps of it) when the prior, scaled
 # from the chosen N's timing, prices it above the chosen N: one N at a time per bucket, this
 # many steps apart. Each re-timing adds to the N's window, so an N is taken again at most twice
-# per bucket: where the prior misprices a dearer N (the GPU's is one line through every N), the
-# cost is a few steps once, not a steady share.
+# per bucket. Only where the prior is a fit of measured steps (`CostPrior.retime`: the CPU's).
 DRAFT_RETIME_SPACING = 16
 # Due re-timings are looked for every this many steps (the look weighs every timed N: host
 # time on every drafting step of a small target otherwise).
@@ -605,9 +605,9 @@ class DraftLengthChooser:
         """`best`, or a drafting N whose timing is due to be taken again (DRAFT_RETIME_SPACING),
         whose first step this is: one the prior, scaled from `best`'s timing, prices above
         `best` (the most tokens a second of those, when several are due)."""
-        if self.num_steps % RETIME_CHECK_STRIDE:
-            return best
         costs = self.costs
+        if self.num_steps % RETIME_CHECK_STRIDE or not costs.prior.retime:
+            return best
         bucket = costs.bucket(batch)
         best_cost = costs.measured.get((bucket, best))
         if best_cost is None:

@@ -33,14 +33,20 @@ class CostPrior:
     per_row: float
     # How far below the best rate (a share of it) an N priced by this prior alone is explored.
     explore_margin: float = 0.0
+    # Whether a drafting N timed in a few steps is timed again where this prior, scaled from the
+    # chosen N's timing, prices it above the chosen N (DRAFT_RETIME_SPACING in draft_length.py):
+    # on the CPU, where the prior is a fit of measured steps. The GPU's, one line through every
+    # N, prices large N too low: re-timing them there only cost steps (`chooser_replay`, T = 0:
+    # 0.949 / 0.974x plain decoding against 0.958 / 0.993x without).
+    retime: bool = False
 
     @classmethod
     def for_device(cls, device_type: str, num_threads: int = 2) -> CostPrior:
         if device_type == "cuda":
             return cls(drafter_overhead=0.35, per_row=0.005, explore_margin=CUDA_EXPLORE_MARGIN)
         if num_threads == 1:
-            return cls(drafter_overhead=0.3, per_row=0.11)
-        return cls(drafter_overhead=0.1, per_row=0.07)
+            return cls(drafter_overhead=0.3, per_row=0.11, retime=True)
+        return cls(drafter_overhead=0.1, per_row=0.07, retime=True)
 
     def __call__(self, batch: int, num_drafts: int) -> float:
         if not num_drafts:
