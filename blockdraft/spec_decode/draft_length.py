@@ -156,7 +156,6 @@ DRAFT_RETIME_SPACING = 16
 # Due re-timings are looked for every this many steps (the look weighs every timed N: host
 # time on every drafting step of a small target otherwise).
 RETIME_CHECK_STRIDE = 4
-FULL_WINDOW = (0.0,) * COST_WINDOW  # an N never timed: nothing to take again
 PROBE_INTERVAL = 8
 MAX_PROBE_INTERVAL = 128
 # Steps whose wall time a probe changes: the one that chose it (async decode launches nothing
@@ -617,7 +616,8 @@ class DraftLengthChooser:
         due, due_rate = 0, rates[best] * (1.0 + MIN_DRAFT_GAIN)  # drafting's margin taken off
         for n in rates:
             key = (bucket, n)
-            if not n or n == best or len(costs.samples.get(key, FULL_WINDOW)) >= COST_WINDOW:
+            samples = costs.samples.get(key)  # None: never timed, nothing to take again
+            if not n or n == best or samples is None or len(samples) >= COST_WINDOW:
                 continue
             stood = min(since_retimed, self.num_steps - self.draft_timed_at.get(key, 0))
             if stood < DRAFT_RETIME_SPACING:

@@ -36,8 +36,7 @@ class CostPrior:
     # Whether a drafting N timed in a few steps is timed again where this prior, scaled from the
     # chosen N's timing, prices it above the chosen N (DRAFT_RETIME_SPACING in draft_length.py):
     # on the CPU, where the prior is a fit of measured steps. The GPU's, one line through every
-    # N, prices large N too low: re-timing them there only cost steps (`chooser_replay`, T = 0:
-    # 0.949 / 0.974x plain decoding against 0.958 / 0.993x without).
+    # N, prices large N too low, and re-timing them there only cost steps (`chooser_replay`).
     retime: bool = False
 
     @classmethod
