@@ -10,12 +10,17 @@ Views count as ops here although they launch nothing, and on a GPU some sites ru
 kernel where the CPU runs their torch twin (`kernels/select.py`): read the sites, not the
 total, as the launch budget.
 
-    python benchmarks/host_ops.py [--steps 20] [--num-drafts 15] [--json out.json]
+    python benchmarks/host_ops.py [--steps 20] [--num-drafts 15] [--target qwen3.5] [--json o.json]
+
+`--target qwen3.5`: a tiny hybrid target (Gated DeltaNet and gated attention), whose drafting
+step also commits the requests' states.
 
 `--time`: also the host's own time a step, with the graphs' replays skipped (their outputs
 stay as captured): plain decoding against a speculative engine whose N is pinned to 0, both
-with async decode, taking turns. On a GPU a small target's step is bound by this time, so the
-difference is what keeping a drafter costs there. Medians of `--passes` passes of
+with async decode, and a drafting step (N as `--num-drafts`), taking turns. On a GPU a small
+target's step is bound by this time, so the first difference is what keeping a drafter costs
+there; a large target's drafting steps are synchronous, so their host time leaves the GPU idle
+between them. Medians of `--passes` passes of
 `--time-steps` steps each; on a shared 2-vCPU host runs of one build moved by ~20 us, as much
 as the difference: read it on a quiet host.
 """
@@ -59,6 +64,25 @@ TINY_QWEN3 = {
     "max_position_embeddings": 1024,
     "tie_word_embeddings": False,
 }
+# The hybrid family (Qwen3.5 / 3.6 / 3.8): three Gated DeltaNet layers to one gated attention,
+# whose verify also commits each request's recurrent and conv states at its accepted length.
+TINY_QWEN3_5 = {
+    **TINY_QWEN3,
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    },
+}
+TARGETS = {"qwen3": TINY_QWEN3, "qwen3.5": TINY_QWEN3_5}
 
 
 class OpCounter(TorchDispatchMode):
@@ -173,12 +197,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--time-steps", type=int, default=300)
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--target", choices=list(TARGETS), default="qwen3", help="tiny target family")
     args = p.parse_args(argv)
+    config, label = TARGETS[args.target], f"tiny {args.target}"
     tmp = Path(tempfile.mkdtemp())
     target = tmp / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps(TINY_QWEN3))
-    drafter = write_dummy_drafter(tmp / "drafter", TINY_QWEN3, num_layers=1, with_weights=False)
+    (target / "config.json").write_text(json.dumps(config))
+    drafter = write_dummy_drafter(tmp / "drafter", config, num_layers=1, with_weights=False)
     kw = dict(device="cpu", load_format="dummy", max_model_len=1024)
     spec = {
         "method": "dflash",
@@ -213,13 +239,17 @@ def main(argv: list[str] | None = None) -> dict:
             top = ", ".join(f"{s} {n:.0f}" for s, n in list(per_step.items())[: args.top])
             table.append([name, temperature, total, top])
     print_table(
-        f"eager ops per step outside the graphed forwards (tiny Qwen3, CPU, N = {args.num_drafts}, "
+        f"eager ops per step outside the graphed forwards ({label}, CPU, N = {args.num_drafts}, "
         f"{args.requests} requests)",
         ["engine", "T", "ops/step", "top call sites (ops/step)"],
         table,
     )
     if args.time:
-        timed = {k: engines[k] for k in ("AR, async decode", "DFlash N = 0, async decode")}
+        # (a drafting step's host time too: on a large target it lies between the synchronous
+        # steps, the GPU idle)
+        timed = {
+            k: engines[k] for k in ("AR, async decode", "DFlash N = 0, async decode", "DFlash")
+        }
         rows = []
         for temperature in (0.0, 1.0):
             us = host_step_us(timed, temperature, args.time_steps, args.passes)
@@ -230,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
                     {"engine": name, "temperature": temperature, "us_per_step": t}
                 )
         print_table(
-            f"host time a step, graph replays skipped (tiny Qwen3, CPU, {torch.get_num_threads()} "
+            f"host time a step, graph replays skipped ({label}, CPU, {torch.get_num_threads()} "
             f"threads, median of {args.passes} x {args.time_steps} steps)",
             ["engine", "T", "us/step", "over AR"],
             rows,

@@ -50,17 +50,33 @@ def test_host_ops_counts_eager_ops_outside_the_graphed_forwards(capsys) -> None:
     assert "rejection_sampler.rejection_sample" in sites
     # The MLP only runs inside the forwards that CUDA graphs capture: never counted.
     assert not any(s.startswith("mlp.down") for s in sites)
-    # --time: the host's own time a step (replays skipped) for AR and the idle engine, T = 0 / 1
+    # --time: the host's own time a step (replays skipped) for AR, the idle engine and a
+    # drafting step, T = 0 / 1
     timed = {(r["engine"], r["temperature"]): r["us_per_step"] for r in results["host_us"]}
-    assert set(timed) == {
-        (e, t) for e in ("AR, async decode", "DFlash N = 0, async decode") for t in (0.0, 1.0)
-    }
+    engines = ("AR, async decode", "DFlash N = 0, async decode", "DFlash")
+    assert set(timed) == {(e, t) for e in engines for t in (0.0, 1.0)}
     assert all(0 < us < 1e6 for us in timed.values())
     from blockdraft.runtime.cuda_graph_runner import EagerGraph
 
     assert EagerGraph.replay is not None and "lambda" not in EagerGraph.replay.__qualname__
     out = capsys.readouterr().out
     assert "eager ops per step" in out and "host time a step" in out
+
+
+def test_host_ops_on_a_hybrid_target_counts_the_state_commit(capsys) -> None:
+    """`--target qwen3.5`: a drafting step of a Gated DeltaNet target also commits each
+    request's states at its accepted length (a graph of its own): a site the dense target's
+    step does not have."""
+    from benchmarks import host_ops
+
+    def drafting_sites(target: str) -> dict[str, float]:
+        results = host_ops.main(["--steps", "3", "--num-drafts", "3", "--target", target])
+        rows = results["rows"]
+        return next(r["by_site"] for r in rows if r["engine"] == "DFlash" and not r["temperature"])
+
+    assert "commit_graphs.run" in drafting_sites("qwen3.5")
+    assert "commit_graphs.run" not in drafting_sites("qwen3")
+    assert "tiny qwen3.5" in capsys.readouterr().out
 
 
 @pytest.mark.slow
