@@ -13,6 +13,7 @@ if not os.path.exists("/dev/nvidia0"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from blockdraft import threads  # noqa: E402
 from blockdraft.kernels.forward_context import use_kernel_policy  # noqa: E402
 from blockdraft.kernels.policy import KernelPolicy  # noqa: E402
 
@@ -61,9 +62,9 @@ WORKER_MEMORY_BYTES = 6 << 30
 
 
 def _usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask, within a cgroup v2 CPU quota if any."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cpus = cpus or 1
+    """CPUs this process may run on (the engine's count: its affinity mask), within a cgroup v2
+    CPU quota if any."""
+    cpus = threads._usable_cpus()
     try:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()
